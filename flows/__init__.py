@@ -1,0 +1,1 @@
+"""Prefect flows (the lifecycle, one flow per stage, deployments) and the `eightfold` CLI."""

@@ -1,0 +1,26 @@
+"""`infra:` where work runs (launcher, devices) and where things are kept (store, tracking)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import Section
+
+
+class InfraConfig(Section):
+    workdir: str = Field(".eightfold", description="local state: artifacts/, mlflow.db, logs/")
+    store: str | None = Field(None, description="file:///abs/dir or s3://bucket/prefix; default file://{workdir}/artifacts")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, a local server); default AWS_ENDPOINT_URL")
+    tracking_uri: str | None = Field(None, description="MLflow URI; default sqlite:///{workdir}/mlflow.db")
+    launcher: Literal["local", "slurm", "kubernetes"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    health_check: bool = Field(True, description="pre-flight health check before every training job")
+
+    @field_validator("store")
+    @classmethod
+    def _store_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError(f"store must start with file:// or s3://, got {v!r}")
+        return v

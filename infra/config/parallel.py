@@ -1,0 +1,78 @@
+"""`parallel:` the device mesh and how model, optimizer and data are split over it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import Section
+
+
+class ParallelConfig(Section):
+    """One mesh, outermost to innermost: dp (dp_replicate x dp_shard), pp, cp, tp; ep reuses dp x cp ranks.
+
+    world size = nnodes * nproc_per_node = dp * pp * cp * tp.
+    """
+
+    nnodes: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1, description="data-parallel degree")
+    zero: Literal[0, 1, 2, 3] = Field(
+        0, description="0 = DDP, 1 = distributed optimizer, 2/3 = FSDP2 without/with resharding after forward"
+    )
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas across which FSDP shards are replicated")
+    tp: int = Field(1, ge=1)
+    sequence_parallel: bool = Field(False, description="split norms/residuals along the sequence inside TP")
+    pp: int = Field(1, ge=1)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "interleaved_zb", "dualpipev"] = "1f1b"
+    pp_virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedules)")
+    pp_split: list[int] | Literal["auto"] = Field(
+        "auto", description="layers per pipeline stage, or auto (balance estimated FLOPs, head included)"
+    )
+    cp: int = Field(1, ge=1, description="context-parallel degree")
+    cp_impl: Literal["ring", "ulysses"] = "ring"
+    ep: int = Field(1, ge=1, description="expert-parallel degree (reuses data-parallel x cp ranks)")
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size for DDP / ZeRO-1 collectives")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+    collective_timeout_s: float | None = Field(
+        None, gt=0, description="collective timeout; default 600 s on GPU, 60 s on CPU"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate if self.zero >= 2 else 1
+
+    @model_validator(mode="after")
+    def _mesh(self) -> "ParallelConfig":
+        product = self.dp * self.pp * self.cp * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp*pp*cp*tp = {self.dp}*{self.pp}*{self.cp}*{self.tp} = {product} must equal the world size "
+                f"nnodes*nproc_per_node = {self.nnodes}*{self.nproc_per_node} = {self.world_size}"
+            )
+        if self.dp_replicate > 1 and self.zero < 2:
+            raise ValueError(f"dp_replicate={self.dp_replicate} (HSDP) needs zero 2 or 3, got zero={self.zero}")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"dp={self.dp} is not divisible by dp_replicate={self.dp_replicate}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (experts reuse data ranks)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        if isinstance(self.pp_split, list):
+            if len(self.pp_split) != self.pp * self.pp_virtual_stages:
+                raise ValueError(
+                    f"pp_split has {len(self.pp_split)} entries; expected pp*pp_virtual_stages = "
+                    f"{self.pp * self.pp_virtual_stages}"
+                )
+            if any(n < 0 for n in self.pp_split):
+                raise ValueError(f"pp_split={self.pp_split} has a negative layer count")
+        if self.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and self.pp_virtual_stages < 2:
+            raise ValueError(f"pp_schedule={self.pp_schedule} needs pp_virtual_stages >= 2")
+        if self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual_stages != 2:
+            raise ValueError(f"pp_schedule={self.pp_schedule} needs pp_virtual_stages = 2 (V-shape)")
+        return self

@@ -1,0 +1,76 @@
+"""The root config: one YAML file per lifecycle, one section per stage plus model, parallel, infra."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from .base import Section
+from .data import DataConfig, TokenizerConfig
+from .infra import InfraConfig
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .train import TrainConfig
+
+STAGES = ("data", "tokenizer", "ablations", "pretrain", "posttrain", "export", "evaluate", "serve")
+
+
+class LifecycleConfig(Section):
+    name: str = Field("eightfold", min_length=1, description="MLflow experiment and artifact namespace")
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    pretrain: TrainConfig = Field(default_factory=TrainConfig)
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "LifecycleConfig":
+        m, p, t = self.model, self.parallel, self.pretrain
+        if m.n_heads % p.tp:
+            raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
+        if m.kv_heads % p.tp and p.tp % m.kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={m.kv_heads} and parallel.tp={p.tp}: one must divide the other "
+                "(fewer KV heads than tp ranks are replicated)"
+            )
+        if m.vocab_size % p.tp:
+            raise ValueError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel)")
+        if self.tokenizer.vocab_size != m.vocab_size:
+            raise ValueError(
+                f"tokenizer.vocab_size={self.tokenizer.vocab_size} must equal model.vocab_size={m.vocab_size}"
+            )
+        if t.seq_len > m.max_seq_len:
+            raise ValueError(f"pretrain.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        per_step = t.micro_batch_size * p.dp
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"pretrain.global_batch_size={t.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp = {t.micro_batch_size}*{p.dp} = {per_step}"
+            )
+        micro_batches = t.global_batch_size // per_step
+        if p.pp > 1 and micro_batches < p.pp:
+            raise ValueError(
+                f"pipeline needs at least pp={p.pp} micro-batches per step, got {micro_batches} "
+                f"(global_batch_size / (micro_batch_size * dp))"
+            )
+        if p.pp * p.pp_virtual_stages > m.n_layers:
+            raise ValueError(
+                f"parallel.pp*pp_virtual_stages={p.pp * p.pp_virtual_stages} exceeds model.n_layers={m.n_layers}"
+            )
+        if isinstance(p.pp_split, list) and sum(p.pp_split) != m.n_layers:
+            raise ValueError(f"parallel.pp_split={p.pp_split} sums to {sum(p.pp_split)}, model.n_layers={m.n_layers}")
+        if p.cp > 1 and t.seq_len % (2 * p.cp):
+            raise ValueError(f"pretrain.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
+        if p.cp > 1 and p.cp_impl == "ulysses" and (m.n_heads // p.tp) % p.cp:
+            raise ValueError(f"Ulysses needs heads per tp rank ({m.n_heads // p.tp}) divisible by cp={p.cp}")
+        if p.ep > 1:
+            if m.moe is None:
+                raise ValueError(f"parallel.ep={p.ep} needs model.moe")
+            if m.moe.num_experts % p.ep:
+                raise ValueError(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.pretrain.global_batch_size // (self.pretrain.micro_batch_size * self.parallel.dp)

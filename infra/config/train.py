@@ -1,0 +1,63 @@
+"""`pretrain:` (and the base of every training section): batch, optimizer, schedule, precision, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import Section
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="save every N optimizer steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="keep the last K committed checkpoints")
+    keep_every: int = Field(0, ge=0, description="also keep every M-th step forever (0 = none)")
+    async_save: bool = Field(True, description="stage to CPU memory, write and upload in the background")
+
+
+class SpikeConfig(Section):
+    """Loss-spike detection and response (seed: 'Loss spikes')."""
+
+    enabled: bool = True
+    window: int = Field(20, ge=2, description="rolling window of recent losses / grad norms")
+    z_threshold: float = Field(6.0, gt=0, description="a step is a spike when (x - mean) / std exceeds this")
+    min_history: int = Field(10, ge=1, description="steps observed before spikes can be declared")
+    max_skips: int = Field(3, ge=0, description="consecutive skipped steps before rolling back")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks before the job ends `diverged`")
+    lr_factor_on_rollback: float = Field(1.0, gt=0, le=1, description="multiply the LR by this after a rollback")
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1, description="optimizer steps")
+    seq_len: int = Field(2048, ge=1, description="tokens per row; rows hold seq_len + 1 tokens")
+    micro_batch_size: int = Field(2, ge=1, description="sequences per micro-batch per data-parallel rank")
+    global_batch_size: int = Field(16, ge=1, description="sequences per optimizer step over all replicas")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="decay floor as a fraction of the peak")
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of steps spent decaying at the end")
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="global-norm clip; 0 disables")
+    precision: Literal["fp32", "bf16"] = "bf16"
+    fp32_grad_accum: bool = Field(False, description="accumulate gradients in fp32 (18 bytes/param, Megatron)")
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    compile: bool = False
+    log_every: int = Field(1, ge=1)
+    eval_every: int = Field(0, ge=0, description="validation loss every N steps (0 = only at the end)")
+    eval_batches: int = Field(4, ge=1)
+    peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; None = measured")
+    seed: int | None = Field(None, description="default: the lifecycle seed")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    spike: SpikeConfig = Field(default_factory=SpikeConfig)
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "TrainConfig":
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
+        return self

@@ -1,0 +1,56 @@
+"""The job file a training stage hands to a launcher and the `result.json` a job ends with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrackingRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str | None = Field(None, description="MLflow tracking URI")
+    experiment: str | None = None
+    run_id: str | None = Field(None, description="the stage's MLflow run; rank 0 logs step metrics into it")
+
+
+class JobSpec(BaseModel):
+    """Everything a job needs: resolved config, where to read, where to write. Written as YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    stage: str = Field(..., description="pretrain, ablations/<proxy>, posttrain/sft ...")
+    section: str = Field("pretrain", description="the config section holding this job's TrainConfig")
+    config: dict[str, Any] = Field(..., description="the full resolved LifecycleConfig")
+    inputs: dict[str, str] = Field(default_factory=dict, description="name -> URI (tokens, tokenizer, init ...)")
+    output: str = Field(..., description="URI of the output folder: checkpoints/, result.json, metrics.jsonl")
+    workdir: str = Field(..., description="local scratch folder of this job (logs, staging)")
+    tracking: TrackingRef = TrackingRef()
+    resume: Literal["latest", "none"] = "latest"
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every rank")
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "JobSpec":
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
+class JobResult(BaseModel):
+    """`result.json`: how a job ended. A task retries `failed` from `checkpoint`; `diverged` rolls back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["completed", "diverged", "failed"]
+    steps: int = 0
+    checkpoint: str | None = Field(None, description="URI of the last committed checkpoint")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    message: str = ""
