@@ -21,7 +21,8 @@ class ConfigError(ValueError):
         self.problems = problems
         lines = [f"{source}: {len(problems)} problem(s)"]
         for path, value, allowed in problems:
-            shown = "" if value is _MISSING else f" = {value!r}"
+            # Section-level (cross-field) errors name their fields and values in the message itself.
+            shown = "" if value is _MISSING or isinstance(value, (dict, list)) else f" = {value!r}"
             lines.append(f"  {path or '(root)'}{shown}: {allowed}")
         super().__init__("\n".join(lines))
 

@@ -1,0 +1,145 @@
+"""`eightfold`: the command line. Heavy imports (torch, prefect, mlflow) happen inside commands so
+`eightfold config show` answers at once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True, soft_wrap=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="eightfold: data, tokenizer, ablations, pretrain, post-train, export, evaluate, serve.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+bench_app = typer.Typer(no_args_is_help=True, help="Speed figures (JSON lines with ratios against a baseline).")
+app.add_typer(config_app, name="config")
+app.add_typer(bench_app, name="bench")
+
+SetOpt = typer.Option([], "--set", "-s", help="override any field: --set pretrain.lr=3e-4 (repeatable)")
+
+
+def _prefect_env(workdir: str = ".eightfold") -> None:
+    """Embedded Prefect by default: its state under the work dir, not ~/.prefect."""
+    if "PREFECT_API_URL" not in os.environ:
+        os.environ.setdefault("PREFECT_HOME", str(Path(workdir).resolve() / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load(config: str | None, overrides: list[str]):
+    from infra.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+
+
+@config_app.command("show")
+def config_show(config: Optional[str] = typer.Argument(None, help="config file or built-in name (tiny, seed-1b)"),
+                overrides: list[str] = SetOpt) -> None:
+    """Print the resolved config (defaults filled in, overrides applied, validated)."""
+    from infra.config import config_to_yaml
+
+    print(config_to_yaml(_load(config, overrides)), end="")
+
+
+@app.command()
+def run(
+    config: Optional[str] = typer.Argument(None, help="config file or built-in name (default: tiny)"),
+    overrides: list[str] = SetOpt,
+    stages: Optional[str] = typer.Option(None, help="comma-separated subset of stages"),
+    force: list[str] = typer.Option([], "--force", help="re-run this stage and everything downstream"),
+) -> None:
+    """Run the lifecycle flow (embedded Prefect, local MLflow and store unless configured)."""
+    cfg = _load(config, overrides)
+    _prefect_env(cfg.infra.workdir)
+    from infra.config.load import resolve_config_path
+
+    from flows.lifecycle import lifecycle
+    from flows.report import print_summary
+
+    selected = [s.strip() for s in stages.split(",")] if stages else None
+    result = lifecycle(config=str(resolve_config_path(config)), overrides=overrides, stages=selected, force=force)
+    print_summary(cfg, result)
+
+
+@app.command()
+def stage(
+    name: str = typer.Argument(..., help="stage to run"),
+    config: Optional[str] = typer.Argument(None),
+    overrides: list[str] = SetOpt,
+    inputs: list[str] = typer.Option([], "--input", help="pin an upstream artifact: STAGE=FINGERPRINT"),
+    force: bool = typer.Option(False, "--force", help="re-run even when the artifact exists"),
+) -> None:
+    """Run one stage on the latest committed upstream artifacts."""
+    cfg = _load(config, overrides)
+    _prefect_env(cfg.infra.workdir)
+    from infra.config.load import resolve_config_path
+
+    from flows.lifecycle import stage_flow
+    from flows.report import print_summary
+    from tasks.stage import MissingUpstream
+
+    pinned = dict(i.split("=", 1) for i in inputs)
+    try:
+        ref = stage_flow(stage=name, config=str(resolve_config_path(config)), overrides=overrides, inputs=pinned,
+                         force=force)
+    except MissingUpstream as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(3)
+    print_summary(cfg, {name: ref})
+
+
+@app.command()
+def artifacts(
+    stage_name: Optional[str] = typer.Argument(None, metavar="[STAGE]"),
+    config: Optional[str] = typer.Option(None, "--config", "-c"),
+    overrides: list[str] = SetOpt,
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Committed artifacts, newest first."""
+    from infra.artifacts_view import artifacts_command
+
+    raise typer.Exit(artifacts_command(config, overrides, stage_name, as_json))
+
+
+@app.command()
+def health(config: Optional[str] = typer.Argument(None), overrides: list[str] = SetOpt,
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Devices, a timed all-reduce, matmul throughput, disk, store and tracking round trips."""
+    from infra.health import health_command
+
+    raise typer.Exit(health_command(config, overrides, as_json))
+
+
+@app.command()
+def estimate(
+    config: Optional[str] = typer.Argument(None),
+    preset: Optional[str] = typer.Option(None, "--preset", help="seed-1b, seed-1b-moe, llama3-70b, llama3-405b"),
+    overrides: list[str] = SetOpt,
+    as_json: bool = typer.Option(False, "--json"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="write PNGs to this folder"),
+) -> None:
+    """Memory, FLOPs, communication, step time and pipeline bubble for a config and layout."""
+    from trainer.estimate.cli import estimate_command
+
+    raise typer.Exit(estimate_command(config, preset, overrides, as_json, plot))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

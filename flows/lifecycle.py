@@ -1,0 +1,86 @@
+"""The lifecycle flow: the seed's stages in the order a person would explain them.
+
+data -> tokenizer -> (pack tokens) -> ablations -> pretrain -> post-train -> export -> evaluate -> serve.
+Each stage is a task that skips itself when its artifact is committed (fingerprint cache), runs in an
+MLflow run nested under this flow's parent run, and publishes a Prefect markdown artifact.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from infra.config import load_config
+from infra.tracking import Tracker, flatten_params
+from infra.workspace import Workspace
+from stages.registry import STAGES, downstream, stage_order
+from tasks.health import health_task
+from tasks.stage import ArtifactRef, resolve_upstream, submit_stage
+
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle(
+    config: str = "configs/tiny.yaml",
+    overrides: list[str] | None = None,
+    stages: list[str] | None = None,
+    force: list[str] | None = None,
+) -> dict[str, dict]:
+    """Run the lifecycle on CONFIG. `stages` limits which run (upstream artifacts must exist);
+    `force` re-runs the named stages and everything downstream of them."""
+    logger = get_run_logger()
+    cfg = load_config(config, overrides or [])
+    ws = Workspace.from_config(cfg)
+    selected = stage_order(stages)
+    forced = set().union(*(downstream(s) for s in (force or []))) if force else set()
+
+    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    parent = tracker.start_run(
+        f"lifecycle-{flow_run.get_name() or 'local'}",
+        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "config": str(config), "kind": "lifecycle"},
+    )
+    tracker.log_params(parent, flatten_params(cfg.model_dump(mode="json")))
+    refs: dict[str, ArtifactRef] = {}
+    try:
+        for stage in selected:
+            spec = STAGES[stage]
+            if any(i not in refs for i in spec.inputs):  # upstream not selected: use its latest artifact
+                refs.update({k: v for k, v in resolve_upstream(cfg, stage).items() if k not in refs})
+            inputs = {name: refs[name] for name in spec.inputs}
+            if spec.trains and cfg.infra.health_check:
+                health_task(config, overrides or [])
+            refs[stage] = submit_stage(
+                cfg, stage, inputs, parent_run_id=parent, force=stage in forced, retries=2 if spec.trains else 0
+            )
+        tracker.end_run(parent)
+    except BaseException:
+        tracker.end_run(parent, status="FAILED")
+        raise
+    logger.info("lifecycle finished: %s", ", ".join(f"{k}={'cached' if v.cached else 'ran'}" for k, v in refs.items()))
+    return {k: v.__dict__ for k, v in refs.items()}
+
+
+@flow(name="stage", log_prints=True)
+def stage_flow(
+    stage: str,
+    config: str = "configs/tiny.yaml",
+    overrides: list[str] | None = None,
+    inputs: dict[str, str] | None = None,
+    force: bool = False,
+) -> dict:
+    """Run one stage on the latest committed upstream artifacts (or those pinned by fingerprint)."""
+    cfg = load_config(config, overrides or [])
+    ws = Workspace.from_config(cfg)
+    stage_order([stage])
+    upstream = resolve_upstream(cfg, stage, inputs)
+    if STAGES[stage].trains and cfg.infra.health_check:
+        health_task(config, overrides or [])
+    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    parent = tracker.start_run(f"stage-{stage}", tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "kind": "stage"})
+    try:
+        ref = submit_stage(cfg, stage, upstream, parent_run_id=parent, force=force,
+                           retries=2 if STAGES[stage].trains else 0)
+    except BaseException:
+        tracker.end_run(parent, status="FAILED")
+        raise
+    tracker.end_run(parent)
+    return ref.__dict__

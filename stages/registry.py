@@ -1,0 +1,80 @@
+"""The stage graph: what each stage runs, which artifacts it reads, and which config it depends on.
+
+Prefect-free, so a notebook can walk it too. The fingerprint of a stage hashes `section(cfg)` and
+its inputs' fingerprints (infra/artifacts.py); `fn` is imported lazily so listing stages is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from infra.config import LifecycleConfig
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    fn: str  # "module:function", called with a stages.base.StageContext
+    inputs: tuple[str, ...]
+    section: Callable[[LifecycleConfig], Any]
+    trains: bool = False  # launches a distributed training job (health check first, retries)
+    lifecycle_stage: str = ""  # which of the seed's eight stages this step belongs to
+
+    def load(self) -> Callable:
+        module, func = self.fn.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+def _dump(obj: Any) -> Any:
+    return obj.model_dump(mode="json") if hasattr(obj, "model_dump") else obj
+
+
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec("data", "stages.data:run_clean", (), lambda c: _dump(c.data), lifecycle_stage="data"),
+        StageSpec("tokenizer", "stages.tokenizer:run", ("data",), lambda c: _dump(c.tokenizer), lifecycle_stage="tokenizer"),
+        StageSpec(
+            "tokens",
+            "stages.data:run_pack",
+            ("data", "tokenizer"),
+            lambda c: {"seq_len": c.pretrain.seq_len, "sources": _dump(c.data.sources), "num_proc": c.data.num_proc,
+                       "shard_mb": c.data.shard_mb},
+            lifecycle_stage="data",
+        ),
+        StageSpec(
+            "pretrain",
+            "stages.pretrain:run",
+            ("tokens",),
+            lambda c: {"seed": c.seed, "model": _dump(c.model), "parallel": _dump(c.parallel), "pretrain": _dump(c.pretrain)},
+            trains=True,
+            lifecycle_stage="pretrain",
+        ),
+    ]
+}
+
+
+def stage_order(selected: list[str] | None = None) -> list[str]:
+    """Stages in dependency order (registry order is already topological)."""
+    names = list(STAGES)
+    if not selected:
+        return names
+    unknown = [s for s in selected if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; known: {', '.join(names)}")
+    return [n for n in names if n in selected]
+
+
+def downstream(stage: str) -> set[str]:
+    """The stage and everything that (transitively) reads it."""
+    out = {stage}
+    changed = True
+    while changed:
+        changed = False
+        for s in STAGES.values():
+            if s.name not in out and out.intersection(s.inputs):
+                out.add(s.name)
+                changed = True
+    return out

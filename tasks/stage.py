@@ -1,0 +1,183 @@
+"""One stage call with the machinery every stage shares: fingerprint, cache by committed manifest,
+an MLflow nested run, commit of the output, and a Prefect markdown artifact with links."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from infra.artifacts import Artifact, commit_artifact, find_artifact, fingerprint, latest_artifact
+from infra.config import LifecycleConfig
+from infra.store import FileStore
+from infra.tracking import Tracker, flatten_params
+from infra.workspace import Workspace
+from stages.base import StageContext
+from stages.registry import STAGES
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """What a stage task returns: enough to find the committed artifact again (serialisable)."""
+
+    stage: str
+    fingerprint: str
+    uri: str
+    cached: bool = False
+    summary: dict | None = None
+
+
+class MissingUpstream(RuntimeError):
+    pass
+
+
+def stage_fingerprint(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef]) -> str:
+    spec = STAGES[stage]
+    return fingerprint(stage, spec.section(cfg), {k: v.fingerprint for k, v in inputs.items()})
+
+
+def resolve_upstream(cfg: LifecycleConfig, stage: str, pinned: dict[str, str] | None = None) -> dict[str, ArtifactRef]:
+    """The latest committed artifact of each input stage (or the one pinned by fingerprint)."""
+    ws = Workspace.from_config(cfg)
+    refs = {}
+    for name in STAGES[stage].inputs:
+        fp = (pinned or {}).get(name)
+        art = find_artifact(ws.store, ws.experiment, name, fp) if fp else latest_artifact(ws.store, ws.experiment, name)
+        if art is None:
+            what = f"fingerprint {fp}" if fp else "any committed artifact"
+            raise MissingUpstream(
+                f"stage {stage!r} needs {name!r} but {ws.store.url(ws.experiment + '/' + name)} has no {what}: "
+                f"run `eightfold stage {name}` first"
+            )
+        refs[name] = ArtifactRef(name, art.fingerprint, art.uri, cached=True)
+    return refs
+
+
+def _local_inputs(ws: Workspace, inputs: dict[str, ArtifactRef]) -> dict[str, Path]:
+    """Local folders of the inputs: the store's own folder for file://, a verified download otherwise."""
+    out = {}
+    for name, ref in inputs.items():
+        art = find_artifact(ws.store, ws.experiment, ref.stage, ref.fingerprint)
+        if art is None:
+            raise MissingUpstream(f"input {name!r} ({ref.uri}) is not committed")
+        if isinstance(ws.store, FileStore):
+            out[name] = ws.store.local_path(art.prefix)
+        else:
+            out[name] = art.download(ws.path("cache", ref.stage, ref.fingerprint))
+    return out
+
+
+def _markdown(stage: str, art: Artifact, summary: dict, run_url: str | None, cached: bool) -> str:
+    lines = [f"## {stage} {'(cached)' if cached else ''}", "", f"- artifact: `{art.uri}`",
+             f"- fingerprint: `{art.fingerprint}`", f"- inputs: {', '.join(f'`{k}`={v}' for k, v in art.inputs.items()) or 'none'}"]
+    if run_url:
+        lines.append(f"- MLflow run: {run_url}")
+    if summary:
+        lines += ["", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in summary.items()
+                  if isinstance(v, (int, float, str, bool))]
+    return "\n".join(lines)
+
+
+def execute_stage(
+    cfg: LifecycleConfig,
+    stage: str,
+    inputs: dict[str, ArtifactRef],
+    parent_run_id: str | None = None,
+    force: bool = False,
+    log=print,
+) -> ArtifactRef:
+    """Run `stage` unless its artifact is already committed; commit its output; track it."""
+    spec = STAGES[stage]
+    ws = Workspace.from_config(cfg)
+    fp = stage_fingerprint(cfg, stage, inputs)
+    existing = find_artifact(ws.store, ws.experiment, stage, fp)
+    if existing is not None and not force:
+        log(f"{stage}: cached {existing.uri}")
+        return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
+
+    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    run_id = tracker.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp})
+    tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
+    out_dir = ws.workdir / "staging" / stage / fp
+    shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
+    out_dir.mkdir(parents=True)
+    ctx = StageContext(
+        cfg=cfg,
+        workspace=ws,
+        out_dir=out_dir,
+        inputs=_local_inputs(ws, inputs),
+        input_uris={k: v.uri for k, v in inputs.items()},
+        run_id=run_id,
+        log_metrics=lambda m, step=None: tracker.log_metrics(run_id, m, step=step),
+        log_params=lambda p: tracker.log_params(run_id, flatten_params(p)),
+        log_artifact=lambda path: tracker.log_artifact(run_id, str(path)),
+    )
+    started = time.time()
+    log(f"{stage}: running (fingerprint {fp})")
+    try:
+        summary = spec.load()(ctx) or {}
+    except BaseException:
+        tracker.end_run(run_id, status="FAILED")
+        raise
+    numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if numeric:
+        tracker.log_metrics(run_id, numeric)
+    art = commit_artifact(
+        ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg),
+        inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
+        extra={"summary": summary, "mlflow_run_id": run_id, "input_uris": {k: v.uri for k, v in inputs.items()}},
+    )
+    tracker.set_tag(run_id, "artifact_uri", art.uri)
+    tracker.end_run(run_id)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    log(f"{stage}: committed {art.uri} in {time.time() - started:.1f}s")
+    return ArtifactRef(stage, fp, art.uri, cached=False, summary=summary)
+
+
+def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
+    ws = Workspace.from_config(cfg)
+    art = find_artifact(ws.store, ws.experiment, ref.stage, ref.fingerprint)
+    if art is None:
+        return
+    run_id = art.manifest.get("mlflow_run_id")
+    url = None
+    if run_id and ws.tracking_uri.startswith("http"):
+        url = f"{ws.tracking_uri.rstrip('/')}/#/experiments/runs/{run_id}"
+    elif run_id:
+        url = f"run `{run_id}` in `{ws.tracking_uri}`"
+    create_markdown_artifact(
+        markdown=_markdown(ref.stage, art, ref.summary or {}, url, ref.cached),
+        key=f"{cfg.name}-{ref.stage}".lower().replace("_", "-"),
+        description=f"{ref.stage} artifact {ref.fingerprint}",
+    )
+
+
+@task(name="stage", cache_policy=NO_CACHE, retries=0)
+def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None = None,
+               force: bool = False) -> ArtifactRef:
+    logger = get_run_logger()
+    ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info)
+    _publish(cfg, ref)
+    return ref
+
+
+def submit_stage(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None,
+                 force: bool, retries: int = 0) -> ArtifactRef:
+    """Run the stage task with its own name and retry policy (training jobs retry with backoff)."""
+    t = stage_task.with_options(
+        name=f"{stage}",
+        retries=retries,
+        retry_delay_seconds=[5 * 2**i for i in range(retries)] if retries else 0,
+    )
+    return t(cfg, stage, inputs, parent_run_id=parent_run_id, force=force)
+
+
+def as_dict(ref: Any) -> dict:
+    return ref.__dict__ if isinstance(ref, ArtifactRef) else dict(ref)
