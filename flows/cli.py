@@ -83,14 +83,17 @@ def stage(
     _prefect_env(cfg.infra.workdir)
     from infra.config.load import resolve_config_path
 
-    from flows.lifecycle import stage_flow
     from flows.report import print_summary
+    from flows.stages import STAGE_FLOWS
     from tasks.stage import MissingUpstream
 
     pinned = dict(i.split("=", 1) for i in inputs)
+    if name not in STAGE_FLOWS:
+        console.print(f"[red]unknown stage {name!r}; known: {', '.join(STAGE_FLOWS)}[/red]")
+        raise typer.Exit(2)
     try:
-        ref = stage_flow(stage=name, config=str(resolve_config_path(config)), overrides=overrides, inputs=pinned,
-                         force=force)
+        ref = STAGE_FLOWS[name](config=str(resolve_config_path(config)), overrides=overrides, inputs=pinned,
+                                force=force)
     except MissingUpstream as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(3)

@@ -59,15 +59,15 @@ def lifecycle(
     return {k: v.__dict__ for k, v in refs.items()}
 
 
-@flow(name="stage", log_prints=True)
-def stage_flow(
+def run_single_stage(
     stage: str,
     config: str = "configs/tiny.yaml",
     overrides: list[str] | None = None,
     inputs: dict[str, str] | None = None,
     force: bool = False,
 ) -> dict:
-    """Run one stage on the latest committed upstream artifacts (or those pinned by fingerprint)."""
+    """One stage on the latest committed upstream artifacts (or those pinned by fingerprint).
+    Called inside a flow: flows/stages.py gives each stage its own."""
     cfg = load_config(config, overrides or [])
     ws = Workspace.from_config(cfg)
     stage_order([stage])
