@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 
 from .base import Section
 from .data import DataConfig, TokenizerConfig
+from .estimate import EstimateConfig
 from .infra import InfraConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
@@ -23,6 +24,7 @@ class LifecycleConfig(Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     pretrain: TrainConfig = Field(default_factory=TrainConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
+    estimate: EstimateConfig = Field(default_factory=EstimateConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "LifecycleConfig":

@@ -1,0 +1,239 @@
+"""The seed's arithmetic as pure functions: parameters, bytes of state, activations, FLOPs, collective
+bytes, KV cache. Plain numbers in, plain numbers out; no torch, nothing allocated.
+
+Conventions (and where they come from):
+- Model state: 2 (bf16 weight) + 2 (bf16 gradient) + 4 + 4 + 4 (fp32 master, Adam m, Adam v) = 16 bytes
+  per parameter; 18 when gradients accumulate in fp32 (seed, "Matrix multiplies run in bf16").
+- Activations per layer per micro-batch: Korthikanti et al. 2022, s*b*h*(34 + 5*a*s/h) bytes (bf16,
+  GPT-style layer), 34*s*b*h/t with FlashAttention (or selective recompute) and sequence parallel,
+  2*s*b*h (the layer's input) with full recompute. The 34 is counted for a GPT layer (4h GeLU MLP,
+  full K/V heads, dropout); the seed uses it as is, and so do we: a SwiGLU layer with grouped KV heads
+  and no dropout differs by some tens of percent.
+- Training FLOPs: 6 x parameters x tokens (2 forward + 4 backward per multiply-add), less the
+  embedding (a lookup, not a matmul), plus attention. The attention term counts the two s x s matmuls
+  (QK^T and scores x V) forward and twice that backward over the *whole* score matrix:
+  12 * layers * s * (heads * head_dim) FLOPs per token. That is PaLM's MFU convention (Chowdhery et al.
+  2022, appendix B), the s/(6h) term of Narayanan et al. 2021, and what torch's FLOP counter reports for
+  attention (it ignores the causal mask). For the seed, 12 * 5 * 2,048 * 4,096 * 32,768 = 16.5 TFLOP: the
+  seed's "~16 TFLOP of attention". Counting only the causal lower triangle halves it (8.2 TFLOP);
+  `estimate.attention_flops: causal` selects that.
+"""
+
+from __future__ import annotations
+
+import math
+
+YEAR_S = 365.25 * 24 * 3600
+
+
+# --------------------------------------------------------------------------------------------- parameters
+
+
+def layer_params(dim: int, n_heads: int, kv_heads: int, head_dim: int, ffn_dim: int, *, qk_norm: bool = False,
+                 num_experts: int = 0, top_k: int = 0, expert_ffn_dim: int | None = None,
+                 shared_expert: bool = False) -> dict[str, int]:
+    """One block's parameters: attention (q, k, v, o), two RMSNorms, and a SwiGLU MLP or an MoE.
+
+    Returns total, active (per token: top_k of the routed experts), and routed (the experts' share).
+    """
+    attention = dim * n_heads * head_dim * 2 + dim * kv_heads * head_dim * 2  # q, o and k, v (GQA)
+    norms = 2 * dim + (2 * head_dim if qk_norm else 0)
+    if num_experts:
+        expert = 3 * dim * (expert_ffn_dim or ffn_dim)  # gate, up, down
+        router = dim * num_experts
+        shared = expert if shared_expert else 0
+        routed = num_experts * expert
+        total = attention + norms + router + shared + routed
+        active = attention + norms + router + shared + top_k * expert
+        return {"total": total, "active": active, "routed": routed}
+    mlp = 3 * dim * ffn_dim
+    total = attention + norms + mlp
+    return {"total": total, "active": total, "routed": 0}
+
+
+def model_layer_params(model) -> list[dict[str, int]]:
+    """layer_params for every block of a ModelConfig (MoE on layers i with i % every == every - 1)."""
+    out = []
+    moe = model.moe
+    for i in range(model.n_layers):
+        is_moe = moe is not None and i % moe.every == moe.every - 1
+        out.append(layer_params(
+            model.dim, model.n_heads, model.kv_heads, model.head_size, model.ffn_dim, qk_norm=model.qk_norm,
+            num_experts=moe.num_experts if is_moe else 0, top_k=moe.top_k if is_moe else 0,
+            expert_ffn_dim=moe.ffn_dim if is_moe else None, shared_expert=bool(is_moe and moe.shared_expert),
+        ))
+    return out
+
+
+def param_counts(model) -> dict[str, int]:
+    """Total and active-per-token parameters of a ModelConfig; the embedding table and the LM head apart.
+
+    `embedding` is the lookup table (no FLOPs); `head` the output projection (V x h FLOPs per token); a
+    tied head shares the table, so it adds no parameters but still costs its matmul.
+    """
+    layers = model_layer_params(model)
+    embedding = model.vocab_size * model.dim
+    head = 0 if model.tie_embeddings else model.vocab_size * model.dim
+    final_norm = model.dim
+    total = embedding + head + final_norm + sum(x["total"] for x in layers)
+    active = embedding + head + final_norm + sum(x["active"] for x in layers)
+    return {"total": total, "active": active, "embedding": embedding, "head": head,
+            "routed": sum(x["routed"] for x in layers)}
+
+
+# ----------------------------------------------------------------------------------------- model state
+
+
+def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False,
+                          optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes per parameter of weights, gradients and optimizer state (seed: 2 + 2 + 12 = 16; 18 with
+    fp32 gradient accumulation). fp32 training keeps no separate master copy (4 + 4 + 8 = 16).
+    SGD keeps one momentum buffer instead of Adam's two moments."""
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be bf16 or fp32, got {precision!r}")
+    weights = 2 if precision == "bf16" else 4
+    grads = 4 if (fp32_grad_accum or precision == "fp32") else 2
+    moments = {"adamw": 8, "sgd": 4}.get(optimizer)
+    if moments is None:
+        raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+    master = 4 if precision == "bf16" else 0
+    return {"weights": weights, "grads": grads, "optimizer": master + moments}
+
+
+def zero_state_bytes(params: float, per_param: dict[str, int], zero: int, shard: int) -> dict[str, float]:
+    """One rank's state under ZeRO (Rajbhandari et al. 2020) sharded `shard` ways:
+    stage 0 keeps everything, 1 shards the optimizer, 2 also the gradients, 3 also the weights."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if shard < 1:
+        raise ValueError(f"shard degree must be >= 1, got {shard}")
+    w, g, o = (params * per_param[k] for k in ("weights", "grads", "optimizer"))
+    return {
+        "weights": w / shard if zero >= 3 else w,
+        "grads": g / shard if zero >= 2 else g,
+        "optimizer": o / shard if zero >= 1 else o,
+    }
+
+
+# ------------------------------------------------------------------------------------------ activations
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, *, tp: int = 1, sequence_parallel: bool = False,
+                               flash_attention: bool = True, recompute: str = "none", act_bytes: int = 2,
+                               moe_top_k: int = 0) -> float:
+    """Bytes one layer keeps for backward, per micro-batch of b sequences of s tokens (Korthikanti et al.).
+
+    Without recompute: s*b*h*(34 + 5*a*s/h) for the GPT layer (11 attention + 19 MLP + 4 norm terms of s*b*h,
+    and 5*a*s^2*b for the softmax scores, its dropout mask and output). Tensor parallelism divides the
+    matmul-side terms by t; sequence parallelism divides the remaining 10 (norms, dropouts, residual) too.
+    FlashAttention never stores the s x s scores (selective recompute drops them the same way). Full
+    recompute keeps only the layer's input: 2*s*b*h, split along the sequence under sequence parallel.
+    An MoE layer keeps its MLP intermediates (16*s*b*h) for each of the top_k experts a token visits.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    sbh = s * b * h
+    scale = act_bytes / 2  # the formula counts bf16 values
+    if recompute == "full":
+        return 2 * sbh * scale / (tp if sequence_parallel else 1)
+    # The 24 that tensor parallelism splits: 8 in attention (Q, K, V, the output projection's input) and
+    # 16 in the MLP (its two 4h-wide intermediates), the MLP's repeated for each expert a token visits.
+    matmul_side = 8 * sbh + 16 * sbh * (moe_top_k if moe_top_k else 1)
+    replicated = 10 * sbh  # norm inputs, matmul inputs, dropout masks: split only by sequence parallelism
+    scores = 0 if (flash_attention or recompute == "selective") else 5 * a * s * s * b
+    per_rank = (matmul_side + scores) / tp + replicated / (tp if sequence_parallel else 1)
+    return per_rank * scale
+
+
+def logits_bytes(s: int, b: int, vocab: int, tp: int = 1) -> float:
+    """fp32 logits of one micro-batch on the last stage: 4*s*b*V/t (vocab-parallel splits V)."""
+    return 4 * s * b * vocab / tp
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+
+
+def attention_flops_per_token(n_layers: int, seq_len: int, q_dim: int, causal: bool = False) -> float:
+    """QK^T and scores x V, forward and backward: 12 * layers * s * (heads * head_dim) per token over the
+    full score matrix (PaLM/Megatron convention); half of it when only the causal triangle is counted."""
+    full = 12 * n_layers * seq_len * q_dim
+    return full / 2 if causal else full
+
+
+def flops_per_token(active_params: int, embedding: int, tied: bool, n_layers: int, seq_len: int, q_dim: int,
+                    causal: bool = False) -> float:
+    """6 x (active parameters less the embedding lookup) + attention. A tied head is the embedding table
+    used as a matmul, so it is not subtracted."""
+    matmul_params = active_params - (0 if tied else embedding)
+    return 6 * matmul_params + attention_flops_per_token(n_layers, seq_len, q_dim, causal)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+
+def ring_allreduce_bytes(size: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: 2 * (n - 1)/n of the buffer (seed, "the ring")."""
+    return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def ring_shard_bytes(size: float, n: int) -> float:
+    """Bytes each rank sends in a ring reduce-scatter or all-gather of a `size`-byte buffer: (n - 1)/n."""
+    return (n - 1) / n * size if n > 1 else 0.0
+
+
+def data_parallel_bytes(params: float, zero: int, n: int, *, grad_bytes: int = 2, weight_bytes: int = 2,
+                        micro_batches: int = 1, replicate: int = 1) -> float:
+    """Bytes one rank sends per step to keep `n` data-parallel ranks in step (gradients synced once a step).
+
+    ZeRO 0: all-reduce of the gradient, 2(n-1)/n G. ZeRO 1/2: reduce-scatter of the gradient and all-gather
+    of the updated bf16 weights, the same bytes as one all-reduce (seed: "free memory"). ZeRO 3: the weights
+    are all-gathered for every forward and every backward, plus the reduce-scatter: 1.5x DDP's traffic for
+    one micro-batch (seed), and two more gathers for each further micro-batch. HSDP (`replicate` > 1)
+    all-reduces each rank's gradient shard across the replicas as well.
+    """
+    g, w = params * grad_bytes, params * weight_bytes
+    if zero == 0:
+        return ring_allreduce_bytes(g, n)
+    if zero in (1, 2):
+        return ring_shard_bytes(g, n) + ring_shard_bytes(w, n) + ring_allreduce_bytes(g / n, replicate)
+    if zero == 3:
+        return 2 * micro_batches * ring_shard_bytes(w, n) + ring_shard_bytes(g, n) + ring_allreduce_bytes(g / n, replicate)
+    raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+
+
+def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: int = 2) -> int:
+    """KV cache per token: 2 (K and V) x layers x KV heads x head size x bytes (seed: 80 KB; 20 KB with GQA 8)."""
+    return 2 * n_layers * kv_heads * head_dim * bytes_per_value
+
+
+# ------------------------------------------------------------------------------------- pipeline split
+
+
+def split_layers(layer_costs: list[float], chunks: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Contiguous layer counts for `chunks` pipeline chunks minimising the most expensive chunk, with the
+    embedding's cost on the first and the head and loss's on the last (seed: "the last stage gets fewer
+    layers"). Every chunk gets at least one layer. Exact: a DP over split points."""
+    n = len(layer_costs)
+    if chunks < 1 or chunks > n:
+        raise ValueError(f"cannot split {n} layers into {chunks} pipeline chunks")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # best[k][i]: minimal max cost placing the first i layers into k chunks; cut[k][i] the last cut.
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for k in range(1, chunks + 1):
+        for i in range(k, n - (chunks - k) + 1):
+            for j in range(k - 1, i):
+                cost = prefix[i] - prefix[j] + (first_extra if k == 1 else 0) + (last_extra if k == chunks else 0)
+                worst = max(best[k - 1][j], cost)
+                if worst < best[k][i] - 1e-9:
+                    best[k][i], cut[k][i] = worst, j
+    counts, i = [], n
+    for k in range(chunks, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
