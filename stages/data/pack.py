@@ -1,0 +1,226 @@
+"""`run_pack`: the cleaned documents, tokenized with the stage's tokenizer and packed into the trainer's
+token shards (trainer/shards.py): EOS after every document, the stream cut into rows of seq_len + 1,
+shards of about `data.shard_mb`, document starts kept in the index.
+
+Tokenization runs through `datasets.map(batched=True, num_proc=data.num_proc)`. Mixture weights are applied
+here, on tokens: with T_s the training tokens of source s and W the sum of weights, source s contributes
+w_s / W * sum(T) tokens, by taking whole passes over its documents and then documents in a seeded hash order
+until the remainder is covered (a weight above its natural share repeats documents, one below drops some).
+Training documents are then interleaved in a seeded hash order of (document id, pass). Validation is packed
+unweighted, every document once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.shards import PackedShardWriter, token_dtype
+
+from ..base import StageContext
+from .card import DataCard, quiet_datasets
+from .pipeline import split_files
+from .sources import DataSourceError
+
+SPLITS = {"train": "train", "validation": "val"}  # cleaned split -> token split folder (trainer's names)
+
+
+def mix_key(seed: int, doc_id: str, repeat: int) -> int:
+    """A document pass's place in the training order: 64 bits of blake2b over (seed, id, pass)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{doc_id}:{repeat}".encode(), digest_size=8).digest(), "big")
+
+
+class EncodeBatch:
+    """The batched map function; picklable (workers load the tokenizer file once, lazily)."""
+
+    def __init__(self, tokenizer_file: str):
+        self.tokenizer_file = tokenizer_file
+        self._tok = None
+
+    def __getstate__(self):
+        return {"tokenizer_file": self.tokenizer_file, "_tok": None}
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        if self._tok is None:
+            from tokenizers import Tokenizer
+
+            # One process per core already: no extra Rust threads inside each worker.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            self._tok = Tokenizer.from_file(self.tokenizer_file)
+            self._tok.encode_special_tokens = True  # "<|eos|>" written in a document is text, not a boundary
+        texts = batch["text"]
+        encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return {"ids": [np.asarray(e.ids, dtype=np.int32) for e in encs],
+                "n_bytes": [len(t.encode("utf-8", "surrogatepass")) for t in texts]}
+
+
+def tokenize_split(files: list[Path], tokenizer_file: Path, num_proc: int, cache_dir: Path):
+    """A datasets.Dataset with columns id, source, ids (int32), n_bytes, in stored order."""
+    import datasets
+
+    ds = datasets.Dataset.from_parquet([str(f) for f in files], cache_dir=str(cache_dir))
+    features = datasets.Features({"id": datasets.Value("string"), "source": datasets.Value("string"),
+                                  "ids": datasets.List(datasets.Value("int32")), "n_bytes": datasets.Value("int64")})
+    return ds.map(EncodeBatch(str(tokenizer_file)), batched=True, batch_size=256, num_proc=max(1, min(num_proc, len(ds))),
+                  remove_columns=[c for c in ds.column_names if c not in ("id", "source")], features=features,
+                  desc="tokenize")
+
+
+class DocTokens:
+    """Zero-copy access to each document's token ids in the mapped dataset's Arrow table."""
+
+    def __init__(self, ds):
+        col = ds.data.column("ids")
+        self.values, self.starts, self.lengths, self.chunk = [], [], [], []
+        for c, arr in enumerate(col.chunks):
+            offs = arr.offsets.to_numpy()
+            self.values.append(arr.values.to_numpy(zero_copy_only=False))
+            self.starts.append(offs[:-1])
+            self.lengths.append(np.diff(offs))
+            self.chunk.append(np.full(len(arr), c))
+        self.starts = np.concatenate(self.starts) if self.starts else np.zeros(0, np.int64)
+        self.lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        self.chunk = np.concatenate(self.chunk) if self.chunk else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        s = self.starts[i]
+        return self.values[self.chunk[i]][s:s + self.lengths[i]]
+
+
+def mixture_plan(ids: list[str], sources: list[str], tokens: np.ndarray, weights: dict[str, float], seed: int):
+    """(order of (doc index, pass) entries, per-source rows). `tokens` counts each document's tokens + EOS."""
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(sources):
+        by_source[s].append(i)
+    total = int(tokens.sum())
+    w_sum = sum(weights[s] for s in by_source)
+    entries: list[tuple[int, int, int]] = []  # (key, doc, pass)
+    rows = []
+    for s, docs in sorted(by_source.items()):
+        have = int(tokens[docs].sum())
+        target = weights[s] / w_sum * total
+        passes = int(target // have)
+        remainder = target - passes * have
+        ordered = sorted(docs, key=lambda i: mix_key(seed, ids[i], 0))
+        for r in range(passes):
+            entries += [(mix_key(seed, ids[i], r), i, r) for i in ordered]
+        taken = passes * have
+        cum = 0
+        for i in ordered:
+            if cum >= remainder:
+                break
+            entries.append((mix_key(seed, ids[i], passes), i, passes))
+            cum += int(tokens[i])
+        taken += cum
+        rows.append({"source": s, "weight": weights[s], "tokens_available": have, "tokens_target": round(target),
+                     "tokens_taken": taken, "share_target": weights[s] / w_sum, "share_taken": taken / total if total else 0.0,
+                     "passes": taken / have if have else 0.0})
+    entries.sort()
+    return [(i, r) for _, i, r in entries], rows
+
+
+def _pack_split(doc_tokens: DocTokens, order: list[int], out: Path, seq_len: int, vocab: int, eos_id: int,
+                shard_mb: float, name: str) -> dict:
+    row_bytes = (seq_len + 1) * token_dtype(vocab).itemsize
+    writer = PackedShardWriter(out, seq_len, vocab, eos_id, rows_per_shard=max(1, int(shard_mb * 2**20 // row_bytes)))
+    for i in order:
+        writer.add(doc_tokens[i])
+    index = writer.close()
+    if index["rows"] == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        raise DataSourceError(
+            f"{name} split: {index['dropped_tokens']} tokens from {index['documents']} documents do not fill one row of "
+            f"seq_len+1={seq_len + 1}; add data, raise data.val_fraction, or lower pretrain.seq_len"
+        )
+    return index
+
+
+def run_pack(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.cfg.data
+    seq_len = ctx.cfg.pretrain.seq_len
+    for key in ("data", "tokenizer"):
+        if key not in ctx.inputs:
+            raise ValueError(f"run_pack needs inputs[{key!r}] (the {key} artifact folder)")
+    data_dir, tok_dir = Path(ctx.inputs["data"]), Path(ctx.inputs["tokenizer"])
+    files = {split: split_files(data_dir, split) for split in SPLITS}
+    from stages.tokenizer import load_tokenizer
+
+    tok, eos_id = load_tokenizer(tok_dir)
+    vocab = tok.get_vocab_size()
+    if vocab > ctx.cfg.model.vocab_size:
+        raise ValueError(f"{tok_dir}: tokenizer has {vocab} entries but model.vocab_size={ctx.cfg.model.vocab_size}: "
+                         "ids would fall outside the embedding")
+    weights = {s.name: s.weight for s in cfg.sources}
+    t0 = time.perf_counter()
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(tempfile.mkdtemp(prefix="pack-", dir=ctx.workspace.path("scratch")))
+    card = DataCard("Data card: packed tokens")
+    summary: dict[str, Any] = {"seq_len": seq_len, "vocab_size": vocab, "eos_id": eos_id}
+    try:
+        split_rows = []
+        for split, folder in SPLITS.items():
+            with quiet_datasets():
+                ds = tokenize_split(files[split], tok_dir / "tokenizer.json", cfg.num_proc, cache)
+            docs = DocTokens(ds)
+            ids, sources = ds["id"], ds["source"]
+            lengths = docs.lengths.astype(np.int64)
+            n_bytes = np.asarray(ds["n_bytes"], dtype=np.int64)
+            if split == "train":
+                unknown = sorted(set(sources) - set(weights))
+                if unknown:
+                    raise DataSourceError(f"{data_dir}: documents from source(s) {unknown} that data.sources does not name")
+                absent = sorted(set(weights) - set(sources))
+                if absent:
+                    raise DataSourceError(
+                        f"source(s) {absent} have no training documents in {data_dir} (all fell in validation, or the data "
+                        "was cleaned with another source list): their mixture weight cannot be honoured"
+                    )
+                plan, mix_rows = mixture_plan(ids, sources, lengths + 1, weights, cfg.seed)
+                order = [i for i, _ in plan]
+                card.table("mixture", "Mixture: training tokens per source (weights applied here)", mix_rows,
+                           ["source", "weight", "tokens_available", "tokens_target", "tokens_taken", "share_target",
+                            "share_taken", "passes"])
+            else:
+                order = sorted(range(len(docs)), key=lambda i: mix_key(cfg.seed, ids[i], 0))
+            index = _pack_split(docs, order, ctx.out_dir / folder, seq_len, vocab, eos_id, cfg.shard_mb, split)
+            split_rows.append({"split": folder, "documents": index["documents"], "tokens": index["tokens"],
+                               "dropped_tokens": index["dropped_tokens"], "rows": index["rows"],
+                               "shards": len(index["shards"]), "bytes": int(n_bytes.sum()),
+                               "bytes_per_token": float(n_bytes.sum() / max(1, lengths.sum()))})
+            summary[f"{folder}_tokens"] = index["tokens"]
+            summary[f"{folder}_rows"] = index["rows"]
+            summary[f"{folder}_documents"] = index["documents"]
+            if split == "validation":
+                summary["val_bytes_per_token"] = round(float(n_bytes.sum() / max(1, lengths.sum())), 4)
+            if split == "train":
+                # Top tokens over the distinct training documents (before mixture repeats).
+                flat = np.concatenate([docs[i] for i in range(len(docs))])
+                bc = np.bincount(flat.astype(np.int64), minlength=vocab)
+                top = np.argsort(-bc)[:20]
+                card.table("top_tokens", "Most frequent tokens (train)", [
+                    {"id": int(t), "token": repr(tok.decode([int(t)])), "count": int(bc[t]), "share": float(bc[t] / max(1, bc.sum()))}
+                    for t in top if bc[t] > 0], ["id", "token", "count", "share"])
+            del ds, docs
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    summary["tokens_per_s"] = round((summary["train_tokens"] + summary["val_tokens"]) / max(1e-9, summary["seconds"]), 1)
+    card.figures("summary", "Summary", summary)
+    card.table("splits", "Token splits", split_rows,
+               ["split", "documents", "tokens", "dropped_tokens", "rows", "shards", "bytes", "bytes_per_token"])
+    md = card.write(ctx.out_dir)
+    ctx.log_params({"pack.seq_len": seq_len, "pack.num_proc": cfg.num_proc, "pack.shard_mb": cfg.shard_mb})
+    ctx.log_metrics({f"tokens.{k}": float(v) for k, v in summary.items()}, None)
+    ctx.log_artifact(md)
+    return summary
