@@ -31,16 +31,25 @@ def _dump(obj: Any) -> Any:
     return obj.model_dump(mode="json") if hasattr(obj, "model_dump") else obj
 
 
+def _data_section(cfg: LifecycleConfig) -> dict:
+    """The data stage also depends on the evaluation sets it decontaminates against."""
+    from stages.data import eval_texts_digest
+    from stages.evaluate.decontam import register as register_eval_sets
+
+    register_eval_sets()
+    return {"data": _dump(cfg.data), "eval_texts": eval_texts_digest(cfg)}
+
+
 STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
-        StageSpec("data", "stages.data:run_clean", (), lambda c: _dump(c.data), lifecycle_stage="data"),
+        StageSpec("data", "stages.data:run_clean", (), _data_section, lifecycle_stage="data"),
         StageSpec("tokenizer", "stages.tokenizer:run", ("data",), lambda c: _dump(c.tokenizer), lifecycle_stage="tokenizer"),
         StageSpec(
             "tokens",
             "stages.data:run_pack",
             ("data", "tokenizer"),
-            lambda c: {"seq_len": c.pretrain.seq_len, "sources": _dump(c.data.sources), "num_proc": c.data.num_proc,
+            lambda c: {"seq_len": c.pretrain.seq_len, "sources": _dump(c.data.sources), "seed": c.data.seed,
                        "shard_mb": c.data.shard_mb},
             lifecycle_stage="data",
         ),

@@ -134,7 +134,7 @@ def execute_stage(
         inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
         extra={"summary": summary, "mlflow_run_id": run_id, "input_uris": {k: v.uri for k, v in inputs.items()}},
     )
-    tracker.set_tag(run_id, "artifact_uri", art.uri)
+    tracker.set_tags(run_id, {"artifact_uri": art.uri})
     tracker.end_run(run_id)
     shutil.rmtree(out_dir, ignore_errors=True)
     log(f"{stage}: committed {art.uri} in {time.time() - started:.1f}s")

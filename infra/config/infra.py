@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from .base import Section
+from .launch import KubernetesConfig, SlurmConfig
 
 
 class InfraConfig(Section):
@@ -17,6 +18,8 @@ class InfraConfig(Section):
     launcher: Literal["local", "slurm", "kubernetes"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     health_check: bool = Field(True, description="pre-flight health check before every training job")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="used when launcher = slurm")
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="used when launcher = kubernetes")
 
     @field_validator("store")
     @classmethod

@@ -1,0 +1,277 @@
+"""The local launcher: torchrun on this machine as a subprocess in its own process group.
+
+`python -m torch.distributed.run --standalone --nproc-per-node N -m <module> JOB.yaml` runs in a new
+session, so the torchrun agent and every rank it starts share one process group that `cancel()`
+can signal as a whole: SIGTERM first (torchrun forwards it and ranks may save), SIGKILL after a
+grace period, so no agent, rank or data-loader worker survives. Output of all ranks goes to
+`<spec.workdir>/logs/<job_id>.log` (written by the job itself, so the log survives this process)
+and is optionally echoed here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+
+from infra.launch.base import JobState, follow_file, read_result
+from infra.launch.job import JobResult, JobSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# A job runs in its own session, so Ctrl-C on the launching process does not reach it. Jobs still
+# running when this interpreter exits are cancelled, so an interrupted `eightfold run` leaves none.
+_LIVE: "weakref.WeakSet[LocalJob]" = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_live_jobs() -> None:
+    for job in list(_LIVE):
+        if job.poll() == "running":
+            job.cancel(grace_s=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Processes still running. A zombie has exited and holds no memory; only its parent's wait()
+    removes it, and orphans are reaped by init, so it does not count as a survivor."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+class LocalJob:
+    """A running torchrun job: one agent per simulated node, each with its ranks in its own process
+    group (a process cannot join a group of another session, so each agent leads one)."""
+
+    def __init__(self, job_id: str, procs: list[subprocess.Popen], log_path: Path, echo: bool):
+        self.job_id = job_id
+        self.log_path = log_path
+        self.pgids = [p.pid for p in procs]  # each agent leads its own session and process group
+        self._procs = procs
+        self._cancelled = False
+        self._done = threading.Event()
+        self._echo = None
+        _LIVE.add(self)
+        if echo:
+            self._echo = threading.Thread(target=self._echo_log, name=f"echo-{job_id}", daemon=True)
+            self._echo.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _exit_code(self) -> int | None:
+        codes = [p.poll() for p in self._procs]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def poll(self) -> JobState:
+        code = self._exit_code()
+        if code is None:
+            return "running"
+        self._finish()
+        if self._cancelled:
+            return "cancelled"
+        return "succeeded" if code == 0 else "failed"
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self._procs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                p.wait(left)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"job {self.job_id} still running after {timeout} s (log: {self.log_path})") from None
+        self._finish()
+        return self._exit_code()
+
+    def cancel(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole group, SIGKILL after `grace_s`; returns when nothing of the job runs."""
+        self._cancelled = True
+        if self._exit_code() is not None:
+            self._finish()
+            return
+        # Remember every descendant too: a rank that started its own session would escape killpg.
+        family = self._family()
+        self._signal_group(signal.SIGTERM)
+        for p in family:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            for p in self._procs:
+                p.poll()  # reap the agents so they do not linger as zombies of ours
+            if not _alive(family) and self._exit_code() is not None:
+                break
+            time.sleep(0.1)
+        else:
+            # Ranks first, so the agent (still alive) reaps them instead of leaving orphans to init.
+            agents = set(self.pids)
+            for p in _alive(family):
+                if p.pid not in agents:
+                    _signal(p, signal.SIGKILL)
+            for p in self._procs:
+                try:
+                    p.wait(2)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._signal_group(signal.SIGKILL)
+            for p in _alive(family):
+                _signal(p, signal.SIGKILL)
+        for p in self._procs:
+            p.wait()
+        psutil.wait_procs(_alive(family), timeout=5)
+        self._finish()
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        """Leaving the block early (an exception, Ctrl-C, a cancelled task) cancels the job."""
+        if self.poll() == "running":
+            self.cancel()
+
+    def logs(self, follow: bool = False) -> Iterator[str]:
+        """The job's output lines so far, or until it ends with follow=True."""
+        if not follow:
+            if self.log_path.exists():
+                yield from self.log_path.read_text(errors="replace").splitlines(keepends=True)
+            return
+        yield from follow_file(self.log_path, lambda: self._exit_code() is not None)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _family(self) -> list[psutil.Process]:
+        family = []
+        for p in self._procs:
+            try:
+                root = psutil.Process(p.pid)
+                family += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return family
+
+    def _signal_group(self, sig: int) -> None:
+        for pgid in self.pgids:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _finish(self) -> None:
+        if self._done.is_set():
+            return
+        # Ranks orphaned by an agent that died abruptly still sit in the job's group: end them.
+        self._signal_group(signal.SIGKILL)
+        self._done.set()
+        if self._echo is not None and self._echo is not threading.current_thread():
+            self._echo.join(timeout=5)
+
+    def _echo_log(self) -> None:
+        for line in follow_file(self.log_path, lambda: self._exit_code() is not None):
+            sys.stdout.write(f"[{self.job_id}] {line}")
+            sys.stdout.flush()
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+class LocalLauncher:
+    """torchrun on this machine. `nnodes > 1` runs that many agents here with a static rendezvous
+    on 127.0.0.1 (the multi-node code path without a cluster)."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        nproc_per_node: int,
+        nnodes: int = 1,
+        module: str = "trainer",
+        max_restarts: int = 0,
+        env: dict[str, str] | None = None,
+        echo: bool = False,
+    ):
+        if nproc_per_node < 1 or nnodes < 1:
+            raise ValueError(f"nproc_per_node={nproc_per_node} and nnodes={nnodes} must be >= 1")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+        self.nproc_per_node, self.nnodes, self.module = nproc_per_node, nnodes, module
+        self.max_restarts, self.env, self.echo = max_restarts, dict(env or {}), echo
+
+    def command(self, job_file: Path, node_rank: int = 0, master_port: int | None = None) -> list[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+        if self.nnodes == 1:
+            cmd += ["--standalone", "--nnodes", "1"]
+        else:
+            cmd += [
+                "--nnodes", str(self.nnodes), "--node-rank", str(node_rank),
+                "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            ]  # fmt: skip
+        cmd += ["--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts)]
+        return cmd + ["-m", self.module, str(job_file)]
+
+    def environment(self, spec: JobSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        ranks_here = self.nproc_per_node * self.nnodes
+        # torchrun would force 1 thread per rank; on CPU the ranks should share the cores instead.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks_here)))
+        env["PYTHONUNBUFFERED"] = "1"  # logs arrive as they are written
+        paths = [str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["EIGHTFOLD_JOB_ID"] = spec.job_id
+        env.update(self.env)
+        env.update(spec.env)
+        return env
+
+    def submit(self, spec: JobSpec, job_file: Path) -> LocalJob:
+        job_file = Path(job_file).resolve()
+        if not job_file.is_file():
+            raise FileNotFoundError(f"job file {job_file} does not exist (write it with JobSpec.write)")
+        log_path = Path(spec.workdir).expanduser().resolve() / "logs" / f"{spec.job_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = self.environment(spec)
+        port = _free_port() if self.nnodes > 1 else None
+        procs: list[subprocess.Popen] = []
+        with open(log_path, "ab") as log:
+            try:
+                for node in range(self.nnodes):
+                    procs.append(
+                        subprocess.Popen(
+                            self.command(job_file, node, port),
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=str(log_path.parent.parent), start_new_session=True,
+                        )  # fmt: skip
+                    )
+            except BaseException:
+                for p in procs:  # agents already started would wait forever for their peers
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                raise
+        return LocalJob(spec.job_id, procs, log_path, self.echo)
+
+    def result(self, spec: JobSpec) -> JobResult | None:
+        return read_result(spec)

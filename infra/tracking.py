@@ -1,0 +1,326 @@
+"""MLflow tracking through `MlflowClient` with explicit run ids.
+
+No global active run: a Prefect task, a stage function and trainer rank 0 in another process all
+log into the same run by passing its id around. The experiment is the config `name`; a lifecycle
+run is a parent run (tagged with the Prefect flow run id) and each stage is a nested run under it
+(tag `mlflow.parentRunId`, the tag MLflow's own UI uses to draw the tree), tagged with its stage and
+fingerprint. Params come flattened from the config; metrics are per step.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+# MLflow's own limits (mlflow.utils.validation): param values and keys are capped, and one
+# log_batch call takes at most 1000 metrics and 100 params.
+MAX_PARAM_VALUE = 6000
+MAX_KEY = 250
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_PER_BATCH = 100
+
+PARENT_TAG = "mlflow.parentRunId"
+FLOW_RUN_TAG = "prefect.flow_run_id"
+
+
+def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{'model': {'dim': 128}} -> {'model.dim': '128'}; lists as JSON; values cut to MLflow's limit."""
+    out: dict[str, str] = {}
+    for key, value in d.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_params(value, name))
+            continue
+        if isinstance(value, (list, tuple, dict)):
+            text = json.dumps(value, default=str, separators=(",", ":"))
+        else:
+            text = str(value)
+        out[name[:MAX_KEY]] = text[:MAX_PARAM_VALUE]
+    return out
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metric value {value!r} is not a number") from exc
+
+
+def default_artifact_location(tracking_uri: str) -> str | None:
+    """Where run artifacts go when nobody says: next to a sqlite database (never MLflow's ./mlruns
+    in the current directory); for a server, None lets the server decide (its proxied store)."""
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme == "sqlite":
+        db = Path(tracking_uri[len("sqlite:///"):])
+        return (db.parent / "mlflow-artifacts").resolve().as_uri()
+    if parsed.scheme in ("", "file"):
+        return (Path(parsed.path).resolve().parent / "mlflow-artifacts").as_uri()
+    return None
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient  # imported late: ~1.5 s, and health checks want to time it
+
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+class Tracker:
+    """One experiment on one tracking server; every call names its run id explicitly."""
+
+    def __init__(self, uri: str, experiment: str, artifact_location: str | None = None):
+        if not experiment:
+            raise ValueError("Tracker needs an experiment name (the config's `name`)")
+        self.uri = uri
+        self.experiment = experiment
+        if artifact_location is None:
+            artifact_location = default_artifact_location(uri)
+        elif "://" not in artifact_location:  # a plain path: make it absolute, never cwd-relative
+            artifact_location = Path(artifact_location).expanduser().resolve().as_uri()
+        self.artifact_location = artifact_location
+        self.client = _client(uri)
+        self.experiment_id = self._get_or_create_experiment()
+
+    @classmethod
+    def for_workspace(cls, workspace) -> "Tracker":
+        """The workspace's experiment; local databases keep artifacts in `<workdir>/mlflow-artifacts`."""
+        location = None
+        if urlparse(workspace.tracking_uri).scheme in ("sqlite", "", "file"):
+            location = workspace.mlflow_artifacts.as_uri()
+        return cls(workspace.tracking_uri, workspace.experiment, location)
+
+    def _get_or_create_experiment(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                return self.client.create_experiment(self.experiment, artifact_location=self.artifact_location)
+            except MlflowException:
+                # Another process (a second rank, a parallel task) created it between our two calls.
+                exp = self.client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            self.client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+    # --- runs ------------------------------------------------------------------------------------
+    def start_run(self, name: str, parent_run_id: str | None = None, tags: Mapping[str, Any] | None = None) -> str:
+        all_tags = {"mlflow.user": _user(), "mlflow.source.name": "eightfold"}
+        if parent_run_id:
+            all_tags[PARENT_TAG] = parent_run_id
+        all_tags.update({k: str(v) for k, v in (tags or {}).items() if v is not None})
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        allowed = ("FINISHED", "FAILED", "KILLED")
+        if status not in allowed:
+            raise ValueError(f"run status {status!r}: allowed {', '.join(allowed)}")
+        self.client.set_terminated(run_id, status=status)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        """Nested dicts are flattened; logging the same key twice with a different value is an error
+        in MLflow (params are immutable), the same value is fine (a retried task)."""
+        from mlflow.entities import Param
+
+        flat = flatten_params(params)
+        items = [Param(k, v) for k, v in flat.items()]
+        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        _log_metric_batch(self.client, run_id, [(k, _as_float(v), step or 0, _now_ms()) for k, v in metrics.items()])
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"artifact {path} does not exist")
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_text(self, run_id: str, text: str, file_name: str) -> None:
+        self.client.log_text(run_id, text, file_name)
+
+    def run_url(self, run_id: str) -> str:
+        """Where a person looks: the UI page for a server, the run id and `mlflow ui` for a file."""
+        if urlparse(self.uri).scheme in ("http", "https"):
+            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        return f"run {run_id} in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
+
+    # --- context managers ------------------------------------------------------------------------
+    @contextmanager
+    def lifecycle_run(
+        self, name: str, tags: Mapping[str, Any] | None = None, flow_run_id: str | None = None
+    ) -> Iterator[str]:
+        """The parent run of one lifecycle; FAILED when the body raises, KILLED on Ctrl-C."""
+        tags = dict(tags or {})
+        if flow_run_id:
+            tags[FLOW_RUN_TAG] = flow_run_id
+        run_id = self.start_run(name, tags=tags)
+        with self._ending(run_id):
+            yield run_id
+
+    @contextmanager
+    def stage_run(
+        self,
+        stage: str,
+        fingerprint: str,
+        parent_run_id: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+    ) -> Iterator[str]:
+        """A nested run for one stage under the lifecycle run, tagged with stage and fingerprint."""
+        run_id = self.start_run(stage, parent_run_id, {"stage": stage, "fingerprint": fingerprint, **(tags or {})})
+        with self._ending(run_id):
+            if params:
+                self.log_params(run_id, params)
+            yield run_id
+
+    @contextmanager
+    def _ending(self, run_id: str) -> Iterator[None]:
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.end_run(run_id, "KILLED")
+            raise
+        except BaseException:
+            self.end_run(run_id, "FAILED")
+            raise
+        self.end_run(run_id, "FINISHED")
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return os.environ.get("USER", "unknown")
+
+
+def _log_metric_batch(client, run_id: str, rows: list[tuple[str, float, int, int]]) -> None:
+    from mlflow.entities import Metric
+
+    metrics = [Metric(key[:MAX_KEY], value, ts, step) for key, value, step, ts in rows]
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+
+
+class RunLogger:
+    """Step metrics from trainer rank 0 into the stage's run, buffered into few `log_batch` calls.
+
+    Flushes when `flush_every` metric values are waiting or `flush_seconds` have passed, and on
+    close. Flushing runs in the caller's thread: at one call per ~10 s the cost is a few ms, and it
+    keeps ordering and shutdown simple. A tracking outage must not end a training run, so a failed
+    flush keeps the values (up to `max_buffer`) and warns; they go with the next flush.
+    With `uri` or `run_id` None every call is a no-op (a run with no tracking, other ranks).
+    """
+
+    def __init__(
+        self,
+        uri: str | None,
+        run_id: str | None,
+        flush_every: int = 200,
+        flush_seconds: float = 10.0,
+        max_buffer: int = 100_000,
+    ):
+        self.uri, self.run_id = uri, run_id
+        self.enabled = bool(uri and run_id)
+        self.flush_every, self.flush_seconds, self.max_buffer = flush_every, flush_seconds, max_buffer
+        self._buffer: list[tuple[str, float, int, int]] = []
+        self._last_flush = time.monotonic()
+        self._client = _client(uri) if self.enabled else None
+        self.dropped = 0
+        self.closed = False
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        if self.closed:
+            raise RuntimeError("RunLogger.log_metrics after close()")
+        ts = _now_ms()
+        for key, value in metrics.items():
+            self._buffer.append((key, _as_float(value), int(step or 0), ts))
+        if len(self._buffer) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in flatten_params(params).items()]
+        try:
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        except Exception as exc:  # e.g. a resumed job re-logging a param with a new value
+            log.warning("MLflow log_params into run %s failed: %s", self.run_id, exc)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if not self.enabled:
+            return
+        try:
+            path = Path(path)
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path)
+            else:
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+        except Exception as exc:
+            log.warning("MLflow log_artifact %s into run %s failed: %s", path, self.run_id, exc)
+
+    def flush(self) -> bool:
+        """Send what is buffered; True when the buffer is empty afterwards."""
+        if not self.enabled or not self._buffer:
+            self._last_flush = time.monotonic()
+            return True
+        try:
+            _log_metric_batch(self._client, self.run_id, self._buffer)
+            self._buffer.clear()
+            return True
+        except Exception as exc:
+            if len(self._buffer) > self.max_buffer:
+                extra = len(self._buffer) - self.max_buffer
+                del self._buffer[:extra]
+                self.dropped += extra
+            log.warning("MLflow metrics flush into run %s failed (%d values kept): %s", self.run_id, len(self._buffer), exc)
+            return False
+        finally:
+            self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        ok = self.flush()
+        if not ok and self._buffer:
+            self.dropped += len(self._buffer)
+            log.warning("RunLogger closed with %d metric values never delivered", len(self._buffer))
+            self._buffer.clear()
+        self.closed = True
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
