@@ -22,12 +22,14 @@ app.add_typer(bench_app, name="bench")
 SetOpt = typer.Option([], "--set", "-s", help="override any field: --set pretrain.lr=3e-4 (repeatable)")
 
 
-def _prefect_env(workdir: str = ".eightfold") -> None:
+def _prefect_env(cfg) -> None:
     """Embedded Prefect by default: its state under the work dir, not ~/.prefect."""
-    if "PREFECT_API_URL" not in os.environ:
-        os.environ.setdefault("PREFECT_HOME", str(Path(workdir).resolve() / "prefect"))
+    if "PREFECT_API_URL" not in os.environ and "PREFECT_HOME" not in os.environ:
+        from infra.workspace import Workspace
+
+        os.environ["PREFECT_HOME"] = str(Workspace.from_config(cfg).path("prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -59,7 +61,7 @@ def run(
 ) -> None:
     """Run the lifecycle flow (embedded Prefect, local MLflow and store unless configured)."""
     cfg = _load(config, overrides)
-    _prefect_env(cfg.infra.workdir)
+    _prefect_env(cfg)
     from infra.config.load import resolve_config_path
 
     from flows.lifecycle import lifecycle
@@ -80,7 +82,7 @@ def stage(
 ) -> None:
     """Run one stage on the latest committed upstream artifacts."""
     cfg = _load(config, overrides)
-    _prefect_env(cfg.infra.workdir)
+    _prefect_env(cfg)
     from infra.config.load import resolve_config_path
 
     from flows.report import print_summary
