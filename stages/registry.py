@@ -61,6 +61,13 @@ STAGES: dict[str, StageSpec] = {
             trains=True,
             lifecycle_stage="pretrain",
         ),
+        StageSpec(
+            "export",
+            "stages.export.stage:run",
+            ("pretrain", "tokenizer", "tokens"),
+            lambda c: {"model": _dump(c.model), "export": _dump(c.export)},
+            lifecycle_stage="export",
+        ),
     ]
 }
 

@@ -7,6 +7,8 @@ from pydantic import Field, model_validator
 from .base import Section
 from .data import DataConfig, TokenizerConfig
 from .estimate import EstimateConfig
+from .evaluate import EvaluateConfig
+from .export import ExportConfig
 from .infra import InfraConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
@@ -25,6 +27,8 @@ class LifecycleConfig(Section):
     pretrain: TrainConfig = Field(default_factory=TrainConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
     estimate: EstimateConfig = Field(default_factory=EstimateConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "LifecycleConfig":

@@ -1,0 +1,201 @@
+"""The export stage: pretrain checkpoint -> hf/ (Hugging Face safetensors), quantized/<variant>/ (FP8, INT8,
+INT4 RTN and AWQ in compressed-tensors layouts; GGUF for llama.cpp), every variant validated against the
+unquantized model, a size table, and hf/ registered in the MLflow model registry.
+
+Inputs: `pretrain` (the trainer's output folder: result.json naming the checkpoint, or checkpoints/),
+`tokenizer` (tokenizer.json and friends, copied beside the weights), `tokens` (the packed splits: the
+`val/` rows give the perplexity check and the AWQ calibration activations).
+Output folder:
+  hf/                      config.json, generation_config.json, model-0000i-of-0000n.safetensors,
+                           model.safetensors.index.json, tokenizer files
+  quantized/<variant>/     the same layout with quantization_config (fp8, int8, int4, int4-awq) or model.gguf
+  validation.json          per variant: perplexity, ratio, greedy agreement, logit diff, pass/fail
+  size_table.md/.json      bytes per variant for this model and, from shapes, for configs/seed-1b.yaml
+  export.json              summary: architecture, checkpoint, registry entry
+The stage fails (ValidationFailed) naming the variant and the metric when a threshold is crossed, after
+writing validation.json so the numbers are there to read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infra.config.model import ModelConfig
+
+from ..base import StageContext
+from . import hf as hf_layout
+from .gguf_export import GGUF_VARIANTS, GGUFUnsupported, check_supported, write_gguf
+from .merge import complete_state_dict, find_checkpoint, load_full_state_dict
+from .quantize import quantization_config, quantize_state_dict, unquantized_linears
+from .sizes import markdown, size_rows
+from .validate import (CheckData, VariantReport, build_reference, check_variant, enforce, folder_forward,
+                       gguf_forward, our_forward, transformers_forward)
+
+SEED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "seed-1b.yaml"
+
+
+def validation_rows(tokens_dir: Path, n_val: int, n_calib: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n_val rows of the val split for the check, the next n_calib for AWQ calibration (so the
+    check stays held out from calibration when the split is big enough; otherwise they overlap)."""
+    from trainer.shards import PackedShards
+
+    split = tokens_dir / "val"
+    if not split.is_dir():
+        raise FileNotFoundError(f"tokens input {tokens_dir} has no val/ split (needed for validation and calibration)")
+    shards = PackedShards(split)
+    total = len(shards)
+    if total == 0:
+        raise ValueError(f"{split} holds no rows")
+    val_ids = list(range(min(n_val, total)))
+    calib_ids = [(n_val + i) % total for i in range(n_calib)]
+    val, calib = torch.from_numpy(shards.rows(val_ids)), torch.from_numpy(shards.rows(calib_ids))
+    if seq_len is not None:
+        val, calib = val[:, : seq_len + 1], calib[:, : seq_len + 1]
+    return val.long(), calib.long()
+
+
+def encode_prompts(tokenizer_dir: Path | None, prompts: list[str], rows: torch.Tensor) -> list[list[int]]:
+    """The fixed prompts as token ids; without a tokenizer, the first 8 tokens of validation rows."""
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+        if all(ids):
+            return ids
+    return [rows[i % rows.shape[0], :8].tolist() for i in range(len(prompts))]
+
+
+def write_quantized_folder(sd: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, scheme: str, dtype: str,
+                           group: int, fp8_activations: bool, tokenizer_dir: Path | None, max_shard_mb: float,
+                           moe_architecture: str, note: dict[str, Any] | None = None) -> int:
+    """A compressed-tensors folder: quantized safetensors + config.json with quantization_config."""
+    arch = hf_layout.hf_architecture(cfg, moe_architecture)
+    hf = hf_layout.to_hf_state_dict(sd, cfg, arch, hf_layout.DTYPES[dtype])
+    tensors = quantize_state_dict(hf, scheme, group)
+    files = hf_layout.write_safetensors(tensors, out, int(max_shard_mb * 2**20))
+    ids = hf_layout.special_token_ids(tokenizer_dir)
+    conf = hf_layout.hf_config(cfg, arch, dtype, ids)
+    conf["quantization_config"] = quantization_config(scheme, group, fp8_activations,
+                                                      unquantized_linears(hf, scheme, group))
+    if note:
+        conf["quantization_config"]["eightfold"] = note
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(hf_layout.generation_config(ids), indent=2))
+    hf_layout.copy_tokenizer(tokenizer_dir, out)
+    return sum((out / f).stat().st_size for f in files)
+
+
+def export_variants(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, ec, tokenizer_dir: Path | None,
+                    data: CheckData, calib: torch.Tensor, log=print) -> tuple[list[VariantReport], dict[str, int], dict]:
+    """Write hf/ and every variant, validating each against the unquantized model as it is written.
+    Returns (reports, bytes on disk per variant, notes such as skipped variants and AWQ losses)."""
+    ref = build_reference(our_forward(sd, cfg), data)
+    reports: list[VariantReport] = []
+    sizes: dict[str, int] = {}
+    notes: dict[str, Any] = {"reference_ppl": ref.ppl, "skipped": {}}
+
+    def check(variant: str, forward) -> None:
+        th = ec.thresholds[variant]
+        rep = check_variant(variant, forward, ref, data, th.max_ppl_ratio, th.min_greedy_agreement, th.max_logit_diff)
+        log(f"export: {variant}: ppl {rep.ppl:.4g} (x{rep.ppl_ratio:.4f}), greedy agreement {rep.greedy_agreement:.3f}, "
+            f"logit diff {rep.max_logit_diff:.3g} -> {'ok' if rep.passed else 'FAILED'}")
+        reports.append(rep)
+
+    hf_dir = out_dir / "hf"
+    info = hf_layout.write_hf(sd, cfg, hf_dir, dtype=ec.dtype, tokenizer_dir=tokenizer_dir,
+                              max_shard_mb=ec.shard_size_mb, moe_architecture=ec.moe_architecture)
+    notes["architecture"] = info["architecture"]
+    sizes["hf"] = info["bytes"]
+    check("hf", transformers_forward(hf_dir))
+
+    for variant in ec.variants:
+        t0 = time.perf_counter()
+        vdir = out_dir / "quantized" / variant
+        if variant in GGUF_VARIANTS:
+            try:
+                check_supported(cfg)
+            except GGUFUnsupported as exc:
+                notes["skipped"][variant] = str(exc)
+                log(f"export: {variant}: skipped ({exc})")
+                continue
+            path = vdir / "model.gguf"
+            sizes[variant] = write_gguf(sd, cfg, path, variant, tokenizer_dir)["bytes"]
+            hf_layout.copy_tokenizer(tokenizer_dir, vdir)
+            check(variant, gguf_forward(path, cfg))
+        else:
+            src, note = sd, None
+            if variant == "int4-awq":
+                from .awq import awq_scale
+
+                src, losses = awq_scale(sd, cfg, calib, ec.int4_group_size, ec.awq_grid)
+                note = {"awq_calibration_rows": int(calib.shape[0]), **losses}
+                notes["awq"] = losses
+            scheme = "int4" if variant.startswith("int4") else variant
+            sizes[variant] = write_quantized_folder(src, cfg, vdir, scheme, ec.dtype, ec.int4_group_size,
+                                                    ec.fp8_activations, tokenizer_dir, ec.shard_size_mb,
+                                                    ec.moe_architecture, note)
+            check(variant, folder_forward(vdir))
+        notes.setdefault("seconds", {})[variant] = round(time.perf_counter() - t0, 2)
+    return reports, sizes, notes
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg, ec = ctx.cfg, ctx.cfg.export
+    out = Path(ctx.out_dir)
+    for name in ("pretrain", "tokens"):
+        if name not in ctx.inputs:
+            raise ValueError(f"the export stage needs a {name!r} input; got {sorted(ctx.inputs)}")
+    tokenizer_dir = Path(ctx.inputs["tokenizer"]) if "tokenizer" in ctx.inputs else None
+    ckpt = find_checkpoint(ctx.inputs["pretrain"])
+    sd = complete_state_dict(load_full_state_dict(ckpt), cfg.model)  # optimizer state never read
+    val, calib = validation_rows(Path(ctx.inputs["tokens"]), ec.validation_rows, ec.awq_calibration_rows,
+                                 ec.validation_seq_len)
+    data = CheckData(val, encode_prompts(tokenizer_dir, ec.prompts, val), ec.greedy_tokens)
+    ctx.log_params({"export.checkpoint": str(ckpt), "export.variants": ",".join(ec.variants), "export.dtype": ec.dtype})
+
+    reports, sizes, notes = export_variants(sd, cfg.model, out, ec, tokenizer_dir, data, calib)
+    (out / "validation.json").write_text(json.dumps(
+        {"reference_ppl": notes["reference_ppl"], "variants": [r.as_dict() for r in reports],
+         "skipped": notes["skipped"], "awq": notes.get("awq")}, indent=2))
+
+    tables = {cfg.name: size_rows(cfg.model, [v for v in ec.variants if v in sizes], ec.dtype, ec.int4_group_size, sizes)}
+    if SEED_CONFIG.is_file() and cfg.name != "seed-1b":
+        from infra.config import load_config
+
+        tables["seed-1b (from shapes)"] = size_rows(load_config(SEED_CONFIG).model, list(ec.variants), ec.dtype,
+                                                    ec.int4_group_size)
+    (out / "size_table.json").write_text(json.dumps(tables, indent=2))
+    (out / "size_table.md").write_text(markdown(tables))
+
+    for r in reports:
+        ctx.log_metrics({f"export.{r.variant}.ppl": r.ppl, f"export.{r.variant}.ppl_ratio": r.ppl_ratio,
+                         f"export.{r.variant}.greedy_agreement": r.greedy_agreement,
+                         f"export.{r.variant}.logit_diff": r.max_logit_diff,
+                         f"export.{r.variant}.bytes": float(sizes.get(r.variant, 0))}, None)
+    ctx.log_artifact(out / "validation.json")
+    ctx.log_artifact(out / "size_table.md")
+    enforce(reports)  # after the report is written: a failure names the variant and the metric
+
+    registered = None
+    if ec.register_model and ctx.run_id:
+        from .registry import register_hf_folder
+
+        registered = register_hf_folder(ctx.workspace.tracking_uri, ctx.run_id, out / "hf",
+                                        ec.registered_model_name or cfg.name,
+                                        tags={"architecture": notes["architecture"], "checkpoint": str(ckpt)})
+    summary = {"architecture": notes["architecture"], "checkpoint": str(ckpt), "registered": registered,
+               "reference_ppl": notes["reference_ppl"], "skipped": notes["skipped"], "sizes": sizes}
+    (out / "export.json").write_text(json.dumps(summary, indent=2, default=str))
+    figures: dict[str, Any] = {"architecture": notes["architecture"], "reference_ppl": round(notes["reference_ppl"], 4),
+                               "hf_bytes": sizes.get("hf")}
+    for r in reports:
+        figures[f"{r.variant}_ppl_ratio"] = round(r.ppl_ratio, 4)
+    if registered:
+        figures["registered_version"] = registered["version"]
+    return figures

@@ -1,0 +1,158 @@
+"""Quantized variants: the compressed-tensors bit layouts, error bounds of each scheme, every variant within
+its threshold when loaded back through the reference dequantizer, the serving engine loading FP8 and
+INT8, and AWQ beating round-to-nearest where activations have outlier channels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from export_models import single_thread
+
+from infra.config.export import ExportConfig
+from stages.export.awq import awq_scale
+from stages.export.hf import read_safetensors
+from stages.export.quantize import (FP8_MAX, dequant_int4, fp8_per_channel, int4_groupwise, int8_per_channel, pack_int4,
+                                    unpack_int4)
+from stages.export.stage import write_quantized_folder
+from stages.export.validate import (CheckData, build_reference, check_variant, folder_forward, load_hf_folder,
+                                    our_forward)
+
+
+def test_int4_packing_matches_compressed_tensors_bit_order():
+    q = torch.randint(-8, 8, (3, 16), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 2)
+    for r in range(3):
+        for w in range(2):
+            word = sum((int(q[r, 8 * w + j]) + 8) << (4 * j) for j in range(8))  # value j at bits 4j..4j+3
+            assert int(packed[r, w]) % 2**32 == word
+    assert torch.equal(unpack_int4(packed, (3, 16)), q)
+    odd = q[:, :13]
+    assert torch.equal(unpack_int4(pack_int4(odd), (3, 13)), odd)  # padded to whole words
+
+
+def test_error_bounds_of_each_scheme():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    q8, s8 = int8_per_channel(w)
+    assert ((q8.float() * s8 - w).abs() <= s8 / 2 + 1e-6).all()
+    q4, s4 = int4_groupwise(w, 128)
+    assert s4.shape == (64, 2) and q4.min() >= -8 and q4.max() <= 7
+    groups_scale = s4.repeat_interleave(128, dim=1)
+    assert ((dequant_int4(q4, s4) - w).abs() <= groups_scale / 2 + 1e-6).all()
+    qf, sf = fp8_per_channel(w)
+    assert qf.dtype == torch.float8_e4m3fn and (qf.float().abs().amax(dim=1) <= FP8_MAX).all()
+    big = (w / sf).abs() >= 2**-6  # e4m3's normal range (3 mantissa bits: relative rounding <= 2^-4)
+    rel = ((qf.float() * sf - w).abs() / w.abs())[big]
+    assert rel.max() <= 2**-4 + 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference(trained_tiny, export_tokenizer_dir):
+    cfg, sd = trained_tiny.cfg, trained_tiny.state_dict
+    prompts = [trained_tiny.val_rows[i, :6].tolist() for i in range(3)]
+    data = CheckData(trained_tiny.val_rows, prompts, greedy_tokens=12)
+    with single_thread():
+        return data, build_reference(our_forward(sd, cfg), data)
+
+
+@pytest.mark.parametrize("variant", ["fp8", "int8", "int4", "int4-awq"])
+def test_variant_layout_and_threshold(tmp_path, variant, trained_tiny, export_tokenizer_dir, reference):
+    cfg, sd = trained_tiny.cfg, trained_tiny.state_dict
+    ec = ExportConfig(awq_grid=8)
+    src = sd
+    if variant == "int4-awq":
+        src, losses = awq_scale(sd, cfg, trained_tiny.train_rows[:8], 128, ec.awq_grid)
+        assert losses["loss_awq"] <= losses["loss_rtn"]
+    scheme = "int4" if variant.startswith("int4") else variant
+    write_quantized_folder(src, cfg, tmp_path, scheme, "bfloat16", 128, True, export_tokenizer_dir, 4900, "auto")
+    tensors = read_safetensors(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    q = "model.layers.1.mlp.down_proj."
+    if scheme == "fp8":
+        assert conf["format"] == "float-quantized" and tensors[q + "weight"].dtype == torch.float8_e4m3fn
+        assert tensors[q + "weight_scale"].shape == (cfg.dim, 1)
+        assert conf["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    elif scheme == "int8":
+        assert conf["format"] == "int-quantized" and tensors[q + "weight"].dtype == torch.int8
+    else:
+        assert conf["format"] == "pack-quantized" and q + "weight" not in tensors
+        assert tensors[q + "weight_packed"].shape == (cfg.dim, cfg.ffn_dim // 8)
+        assert tensors[q + "weight_scale"].shape == (cfg.dim, cfg.ffn_dim // 128)
+        assert tensors[q + "weight_shape"].tolist() == [cfg.dim, cfg.ffn_dim]
+        assert conf["config_groups"]["group_0"]["weights"]["group_size"] == 128
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # not quantized
+    data, ref = reference
+    th = ec.thresholds[variant]
+    rep = check_variant(variant, folder_forward(tmp_path), ref, data, th.max_ppl_ratio, th.min_greedy_agreement)
+    assert rep.passed, rep.failures
+    assert rep.max_logit_diff > 0  # it really is quantized
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_serving_engine_loads_variant(tmp_path, scheme, trained_tiny, export_tokenizer_dir):
+    """stages/serve's PagedLlama reads weight + weight_scale; its logits equal our model's on the same
+    dequantized weights."""
+    from stages.serve.model import KVCacheTensors, PagedLlama, run_paged
+
+    cfg, sd = trained_tiny.cfg, trained_tiny.state_dict
+    write_quantized_folder(sd, cfg, tmp_path, scheme, "float32", 128, False, export_tokenizer_dir, 4900, "auto")
+    engine = PagedLlama.from_pretrained(tmp_path, dtype=torch.float32)
+    cache = KVCacheTensors(engine.shape, num_blocks=8, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    tokens = trained_tiny.val_rows[0, :20].tolist()
+    served = run_paged(engine, cache, [([0, 1], 0, tokens)], [list(range(20))])
+    deq, _, _ = load_hf_folder(tmp_path)
+    ours = our_forward(deq, cfg)(torch.tensor([tokens]))[0]
+    assert (served - ours).abs().max() < 1e-3
+
+
+def test_awq_beats_rtn_with_outlier_channels(trained_tiny, reference):
+    """Make channels 0..7 of every attention input 30x larger (and their q/k/v columns 30x smaller: the
+    same function). RTN then loses those small weights inside groups scaled by the others; AWQ scales
+    them back up."""
+    from stages.export.hf import DTYPES, to_hf_state_dict
+    from stages.export.quantize import dequantize_state_dict, quantization_config, quantize_state_dict
+    from stages.export.hf import from_hf_state_dict
+
+    cfg = trained_tiny.cfg
+    sd = {k: v.clone() for k, v in trained_tiny.state_dict.items()}
+    for i in range(cfg.n_layers):
+        sd[f"layers.{i}.input_layernorm.weight"][:8] *= 30
+        for n in "qkv":
+            sd[f"layers.{i}.self_attn.{n}_proj.weight"][:, :8] /= 30
+    data, _ = reference
+    ref = build_reference(our_forward(sd, cfg), data)
+
+    def int4_ppl(src):
+        hf = to_hf_state_dict(src, cfg, "llama", DTYPES["float32"])
+        deq = dequantize_state_dict(quantize_state_dict(hf, "int4", 128), quantization_config("int4"))
+        rep = check_variant("x", our_forward(from_hf_state_dict(deq, cfg, "llama"), cfg), ref, data, 10, 0)
+        return rep.ppl_ratio
+
+    scaled, losses = awq_scale(sd, cfg, trained_tiny.train_rows[:8], 128, 10)
+    assert losses["loss_awq"] < 0.7 * losses["loss_rtn"]
+    assert int4_ppl(scaled) < int4_ppl(sd)
+    # the scaled model is the same function before rounding
+    tokens = trained_tiny.val_rows[:2, :-1]
+    assert (our_forward(scaled, cfg)(tokens) - our_forward(sd, cfg)(tokens)).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int4"])
+def test_compressed_tensors_library_reads_our_layout(tmp_path, scheme, trained_tiny, export_tokenizer_dir):
+    """The compressed-tensors library itself (through transformers) decompresses our files to the same
+    weights as our reference dequantizer: the layout is the standard one, not merely self-consistent."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    cfg, sd = trained_tiny.cfg, trained_tiny.state_dict
+    write_quantized_folder(sd, cfg, tmp_path, scheme, "float32", 128, False, export_tokenizer_dir, 4900, "auto")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    tokens = trained_tiny.val_rows[:1, :20]
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    deq, _, _ = load_hf_folder(tmp_path)
+    ours = our_forward(deq, cfg)(tokens)
+    assert (theirs - ours).abs().max() < 1e-4
+    assert (ours - our_forward(sd, cfg)(tokens)).abs().max() > 1e-4  # and the weights really were quantized

@@ -1,0 +1,148 @@
+"""The export stage end to end: a pretrain output folder holding a DCP checkpoint (with optimizer state),
+the tokenizer artifact and packed validation tokens -> hf/, every quantized variant, validation.json, the
+size table, and hf/ registered in MLflow with the lifecycle run as its source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infra.config import LifecycleConfig
+from infra.workspace import Workspace
+from stages.base import StageContext
+from trainer.shards import PackedShardWriter
+
+
+def make_inputs(tmp_path, trained_tiny):
+    import torch.distributed.checkpoint as dcp
+
+    pretrain = tmp_path / "pretrain"
+    ckpt = pretrain / "checkpoints" / "step_000100"
+    sd = trained_tiny.state_dict
+    optim = {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in sd.items()}}
+    dcp.save({"model": sd, "optim": optim}, checkpoint_id=str(ckpt))
+    (ckpt / "manifest.json").write_text("{}")
+    (pretrain / "result.json").write_text(json.dumps({"status": "completed", "steps": 100,
+                                                      "checkpoint": "checkpoints/step_000100"}))
+    tokens = tmp_path / "tokens"
+    writer = PackedShardWriter(tokens / "val", seq_len=64, vocab_size=512, eos_id=1, rows_per_shard=8)
+    for row in trained_tiny.val_rows.tolist() + trained_tiny.train_rows[:8].tolist():
+        writer.add(row[:-1])  # each row + EOS is one 65-token row
+    writer.close()
+    return pretrain, tokens
+
+
+@pytest.mark.slow
+def test_export_stage_end_to_end(tmp_path, trained_tiny, export_tokenizer_dir):
+    from mlflow import MlflowClient
+
+    from infra.tracking import Tracker
+    from stages.export.stage import run
+
+    pretrain, tokens = make_inputs(tmp_path, trained_tiny)
+    cfg = LifecycleConfig.model_validate({
+        "name": "export-test",
+        "model": trained_tiny.cfg.model_dump(),
+        "tokenizer": {"vocab_size": 512},
+        "pretrain": {"seq_len": 64, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 0, "steps": 1},
+        "export": {"validation_rows": 8, "awq_calibration_rows": 8, "awq_grid": 6, "greedy_tokens": 8},
+    })
+    ws = Workspace(tmp_path / "ws", f"file://{tmp_path / 'ws' / 'artifacts'}", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                   "export-test")
+    tracker = Tracker(ws.tracking_uri, ws.experiment, (tmp_path / "mlartifacts").as_uri())
+    parent = tracker.start_run("lifecycle")
+    stage_run = tracker.start_run("export", parent_run_id=parent)
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(cfg=cfg, workspace=ws, out_dir=out, run_id=stage_run,
+                       inputs={"pretrain": pretrain, "tokenizer": export_tokenizer_dir, "tokens": tokens},
+                       log_metrics=lambda m, step=None: tracker.log_metrics(stage_run, m, step))
+    figures = run(ctx)
+
+    assert figures["architecture"] == "LlamaForCausalLM"
+    assert (out / "hf" / "model.safetensors.index.json").is_file()
+    assert (out / "hf" / "tokenizer.json").is_file()
+    for v in cfg.export.variants:
+        folder = out / "quantized" / v
+        assert (folder / ("model.gguf" if v.startswith("gguf") else "config.json")).is_file(), v
+    report = json.loads((out / "validation.json").read_text())
+    assert [r["variant"] for r in report["variants"]] == ["hf", *cfg.export.variants]
+    assert all(r["passed"] for r in report["variants"])
+    table = json.loads((out / "size_table.json").read_text())
+    seed = {r["variant"]: r for r in table["seed-1b (from shapes)"]}
+    assert seed["training state"]["bytes"] == pytest.approx(20.4e9, rel=0.01)  # seed: 20.4 GB of training state
+    assert seed["hf (bfloat16)"]["bytes"] == pytest.approx(2.55e9, rel=0.01)  # -> 2.5 GB of bf16 weights
+    tiny = {r["variant"]: r for r in table["export-test"]}
+    assert tiny["int4"]["measured_bytes"] < tiny["int8"]["measured_bytes"] < tiny["hf (bfloat16)"]["measured_bytes"]
+    # the size from shapes agrees with the files (headers and index aside)
+    assert tiny["gguf-q8_0"]["measured_bytes"] == pytest.approx(tiny["gguf-q8_0"]["bytes"], rel=0.05)
+    assert "| int4-awq |" in (out / "size_table.md").read_text()
+
+    reg = figures["registered_version"]
+    mv = MlflowClient(ws.tracking_uri).get_model_version("export-test", str(reg))
+    assert mv.run_id == parent and mv.source.endswith("/hf")
+    metrics = MlflowClient(ws.tracking_uri).get_run(stage_run).data.metrics
+    assert metrics["export.int8.ppl_ratio"] < 1.05
+
+
+def test_stage_fails_naming_variant_and_metric(tmp_path, trained_tiny, export_tokenizer_dir):
+    """An impossible threshold makes the stage fail after writing validation.json, naming what failed."""
+    from stages.export.stage import run
+    from stages.export.validate import ValidationFailed
+
+    pretrain, tokens = make_inputs(tmp_path, trained_tiny)
+    thresholds = {"hf": {}, "int8": {"max_ppl_ratio": 1.0, "min_greedy_agreement": 1.0, "max_logit_diff": 1e-9}}
+    cfg = LifecycleConfig.model_validate({
+        "name": "export-fail",
+        "model": trained_tiny.cfg.model_dump(),
+        "tokenizer": {"vocab_size": 512},
+        "pretrain": {"seq_len": 64, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 0, "steps": 1},
+        "export": {"variants": ["int8"], "thresholds": thresholds, "dtype": "float32", "validation_rows": 4,
+                   "greedy_tokens": 4},
+    })
+    ws = Workspace(tmp_path / "ws", f"file://{tmp_path / 'ws'}", f"sqlite:///{tmp_path / 'mlflow.db'}", "x")
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(cfg=cfg, workspace=ws, out_dir=out,
+                       inputs={"pretrain": pretrain, "tokenizer": export_tokenizer_dir, "tokens": tokens})
+    with pytest.raises(ValidationFailed, match=r"variant int8: logits differ"):
+        run(ctx)
+    report = json.loads((out / "validation.json").read_text())
+    assert [r["passed"] for r in report["variants"]] == [True, False]
+
+
+@pytest.mark.parametrize("moe_kw", [dict(), dict(shared_expert=True, every=2)])
+def test_moe_variants_validate(tmp_path, moe_kw):
+    """Mixtral and Qwen2-MoE exports: every compressed-tensors variant (experts quantized, routers not)
+    round-trips within its threshold; GGUF holds the Mixtral form (stacked experts) and is skipped, with
+    the reason recorded, for a shared expert."""
+    from export_models import random_model_state, tiny_cfg
+
+    from infra.config.export import ExportConfig
+    from infra.config.model import MoEConfig
+    from stages.export.stage import export_variants
+    from stages.export.validate import CheckData
+
+    cfg = tiny_cfg(vocab_size=256, moe=MoEConfig(num_experts=4, top_k=2, **moe_kw))
+    sd = random_model_state(cfg)
+    rows = torch.randint(0, 256, (6, 33), generator=torch.Generator().manual_seed(0))
+    ec = ExportConfig(variants=["fp8", "int8", "int4", "int4-awq", "gguf-q8_0"], dtype="float32", awq_grid=4)
+    data = CheckData(rows[:4], [rows[4, :5].tolist()], greedy_tokens=6)
+    reports, sizes, notes = export_variants(sd, cfg, tmp_path, ec, None, data, rows[4:], log=lambda *_: None)
+    gguf = [] if moe_kw else ["gguf-q8_0"]
+    assert [r.variant for r in reports] == ["hf", "fp8", "int8", "int4", "int4-awq", *gguf]
+    assert all(r.passed for r in reports), [r.failures for r in reports]
+    if moe_kw:
+        assert "shared_expert=True" in notes["skipped"]["gguf-q8_0"]
+    else:
+        import gguf as gg
+
+        reader = gg.GGUFReader(str(tmp_path / "quantized" / "gguf-q8_0" / "model.gguf"))
+        shapes = {t.name: list(t.shape) for t in reader.tensors}
+        assert shapes["blk.0.ffn_gate_exps.weight"] == [cfg.dim, cfg.ffn_dim, 4]  # ggml order: [in, out, E]
+        assert shapes["blk.0.ffn_gate_inp.weight"] == [cfg.dim, 4]
+        assert reader.fields["llama.expert_count"].contents() == 4
+        assert reader.fields["llama.expert_used_count"].contents() == 2
+    assert notes["architecture"] == ("Qwen2MoeForCausalLM" if moe_kw else "MixtralForCausalLM")
