@@ -99,7 +99,7 @@ def stage(
     except MissingUpstream as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(3)
-    print_summary(cfg, {name: ref})
+    print_summary(cfg, {name: ref}, report=False)
 
 
 @app.command()
@@ -136,6 +136,35 @@ def estimate(
     from trainer.estimate.cli import estimate_command
 
     raise typer.Exit(estimate_command(config, preset, overrides, as_json, plot))
+
+
+@app.command()
+def deploy(
+    pool: str = typer.Option("eightfold-process", "--pool", help="work pool (created if missing; a name with "
+                             "'kubernetes' makes a Kubernetes pool)"),
+    cron: str = typer.Option("0 2 * * *", "--cron", help="the lifecycle's schedule (UTC); 'none' for no schedule"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="config the deployments run (default tiny)"),
+    overrides: list[str] = SetOpt,
+    image: Optional[str] = typer.Option(None, "--image", help="image holding this project (Kubernetes pools)"),
+    source: Optional[str] = typer.Option(None, "--source", help="where workers get the code (default: this checkout)"),
+) -> None:
+    """Register the lifecycle (on a cron schedule) and one deployment per stage on PREFECT_API_URL."""
+    from flows.deploy import deploy_command
+
+    raise typer.Exit(deploy_command(pool, cron, config, overrides, image=image, source=source))
+
+
+@app.command()
+def compare(
+    run_a: str = typer.Argument(..., help="MLflow run id, Prefect flow-run id or run name"),
+    run_b: str = typer.Argument(...),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="config naming the MLflow URI and experiment"),
+    overrides: list[str] = SetOpt,
+) -> None:
+    """Two lifecycle runs side by side: config values that differ, key metrics per stage, MLflow link."""
+    from flows.compare import compare_command
+
+    raise typer.Exit(compare_command(run_a, run_b, config, overrides))
 
 
 def main() -> None:

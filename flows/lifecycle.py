@@ -33,7 +33,7 @@ def lifecycle(
     selected = stage_order(stages)
     forced = set().union(*(downstream(s) for s in (force or []))) if force else set()
 
-    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    tracker = Tracker.for_workspace(ws)
     parent = tracker.start_run(
         f"lifecycle-{flow_run.get_name() or 'local'}",
         tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "config": str(config), "kind": "lifecycle"},
@@ -51,6 +51,9 @@ def lifecycle(
             refs[stage] = submit_stage(
                 cfg, stage, inputs, parent_run_id=parent, force=stage in forced, retries=2 if spec.trains else 0
             )
+            # Which artifact each stage used, cached or not: what `eightfold compare` and the report read.
+            tracker.set_tags(parent, {f"stage.{stage}.fingerprint": refs[stage].fingerprint,
+                                      f"stage.{stage}.status": "cached" if refs[stage].cached else "ran"})
         tracker.end_run(parent)
     except BaseException:
         tracker.end_run(parent, status="FAILED")
@@ -74,7 +77,7 @@ def run_single_stage(
     upstream = resolve_upstream(cfg, stage, inputs)
     if STAGES[stage].trains and cfg.infra.health_check:
         health_task(config, overrides or [])
-    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    tracker = Tracker.for_workspace(ws)
     parent = tracker.start_run(f"stage-{stage}", tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "kind": "stage"})
     try:
         ref = submit_stage(cfg, stage, upstream, parent_run_id=parent, force=force,

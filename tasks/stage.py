@@ -3,6 +3,7 @@ an MLflow nested run, commit of the output, and a Prefect markdown artifact with
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -35,6 +36,28 @@ class ArtifactRef:
 
 class MissingUpstream(RuntimeError):
     pass
+
+
+class InjectedFault(RuntimeError):
+    """A failure raised on purpose (tests and drills), never in normal runs."""
+
+
+FAULT_STAGE_ENV = "EIGHTFOLD_FAULT_FAIL_STAGE"
+FAULT_ONCE_FILE_ENV = "EIGHTFOLD_FAULT_ONCE_FILE"
+
+
+def _maybe_inject_fault(stage: str) -> None:
+    """Fail `stage` once, after it ran and before it commits, when EIGHTFOLD_FAULT_FAIL_STAGE names it
+    and the file EIGHTFOLD_FAULT_ONCE_FILE exists (deleted here, so the retry goes through). Off
+    unless both are set: this is how the retry-from-the-UI test makes a run fail deterministically."""
+    once = os.environ.get(FAULT_ONCE_FILE_ENV)
+    if os.environ.get(FAULT_STAGE_ENV) != stage or not once:
+        return
+    try:
+        Path(once).unlink()
+    except FileNotFoundError:
+        return
+    raise InjectedFault(f"{stage}: injected fault ({FAULT_STAGE_ENV}={stage}, {once} removed; a retry will pass)")
 
 
 def stage_fingerprint(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef]) -> str:
@@ -102,7 +125,7 @@ def execute_stage(
         log(f"{stage}: cached {existing.uri}")
         return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
 
-    tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
+    tracker = Tracker.for_workspace(ws)
     run_id = tracker.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp})
     tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
     out_dir = ws.workdir / "staging" / stage / fp
@@ -123,6 +146,7 @@ def execute_stage(
     log(f"{stage}: running (fingerprint {fp})")
     try:
         summary = spec.load()(ctx) or {}
+        _maybe_inject_fault(stage)
     except BaseException:
         tracker.end_run(run_id, status="FAILED")
         raise
