@@ -1,0 +1,47 @@
+"""The pretrain stage through the local launcher: the job trains, its metrics reach the stage's MLflow
+run, and a failing job raises an error that names its log."""
+
+from pathlib import Path
+
+import pytest
+
+from fixtures.trainer_data import make_tokens, tiny_config
+from infra.workspace import Workspace
+from stages.base import StageContext
+from stages.pretrain import TrainingJobFailed, run
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return make_tokens(tmp_path_factory.mktemp("pretrain-tokens"))
+
+
+def context(tmp: Path, tokens: Path, run_id=None, tracking=None, **pretrain) -> StageContext:
+    cfg = tiny_config(**pretrain)
+    cfg.infra.workdir = str(tmp / "ws")
+    if tracking:
+        cfg.infra.tracking_uri = tracking
+    return StageContext(cfg, Workspace.from_config(cfg), tmp / "out", inputs={"tokens": tokens}, run_id=run_id)
+
+
+@pytest.mark.slow
+def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("pretrain-test", artifact_location=str(tmp_path / "mlruns"))
+    run_id = client.create_run(exp).info.run_id
+    summary = run(context(tmp_path, tokens, run_id=run_id, tracking=uri, steps=8, warmup_steps=1))
+    assert summary["steps"] == 8 and summary["loss"] < 5.5 and "val_loss" in summary
+    assert (tmp_path / "out" / "result.json").is_file()
+    history = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 9))
+
+
+def test_failed_job_raises_naming_the_log(tmp_path, tokens):
+    ctx = context(tmp_path, tokens)
+    ctx.inputs = {"tokens": tmp_path / "nowhere"}
+    with pytest.raises(TrainingJobFailed, match=r"log: .*\.log") as err:
+        run(ctx)
+    assert "nowhere" in str(err.value)

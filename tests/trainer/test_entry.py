@@ -1,0 +1,46 @@
+"""`python -m trainer JOB.yaml` end to end: trains, writes metrics.jsonl and result.json; a bad job
+ends `failed` with a message naming the problem."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures.trainer_data import tiny_config
+from infra.launch.job import JobResult, JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(tmp: Path, inputs: dict, **pretrain) -> tuple[subprocess.CompletedProcess, Path]:
+    cfg = tiny_config(**pretrain)
+    spec = JobSpec(job_id="entry", stage="pretrain", config=cfg.model_dump(mode="json"), inputs=inputs,
+                   output=f"file://{tmp / 'out'}", workdir=str(tmp / "work"))
+    job = spec.write(tmp / "job.yaml")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "trainer", str(job)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
+    return proc, tmp / "out"
+
+
+def test_python_m_trainer_writes_result(byte_tokens, tmp_path):
+    proc, out = run_job(tmp_path, {"tokens": str(byte_tokens)}, steps=12, eval_every=6, warmup_steps=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = JobResult.model_validate_json((out / "result.json").read_text())
+    assert result.status == "completed" and result.steps == 12
+    for key in ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_memory_gb"):
+        assert key in result.metrics, key
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert sum("val_loss" in r for r in rows) == 2  # step 6 and the end
+    assert 0 < result.metrics["mfu"] < 1
+
+
+def test_bad_input_ends_failed_with_a_message(tmp_path):
+    proc, out = run_job(tmp_path, {"tokens": str(tmp_path / "missing")})
+    assert proc.returncode == 1
+    result = JobResult.model_validate_json((out / "result.json").read_text())
+    assert result.status == "failed"
+    assert "missing" in result.message and "does not exist" in result.message

@@ -1,0 +1,58 @@
+"""Losses, kept outside the model: token-weighted cross-entropy with z-loss, and the MoE auxiliary
+losses collected from the model's MoE layers after a forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model.moe import MoE
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenLoss:
+    """Sums over the non-ignored target tokens of one micro-batch; the loop divides by the step's
+    token count over all micro-batches and ranks, so every token weighs the same (seed: "Gradients from
+    its 4 micro-batches add into the same buffer")."""
+
+    ce_sum: torch.Tensor
+    z_sum: torch.Tensor
+    tokens: torch.Tensor  # int64 scalar
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.ce_sum + self.z_sum
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, ignore_index: int = IGNORE_INDEX
+) -> TokenLoss:
+    """logits [B, S, V] (any float dtype; computed in fp32), targets [B, S] -> summed losses.
+
+    z-loss (PaLM): z_loss * log(Z)^2 per token, pulling the softmax normaliser towards 1 so logits
+    cannot drift (seed: a stabiliser against loss spikes)."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    target = targets.reshape(-1)
+    ce_sum = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")
+    mask = target != ignore_index
+    if z_loss > 0:
+        log_z = torch.logsumexp(flat, dim=-1)
+        z_sum = z_loss * (log_z.square() * mask).sum()
+    else:
+        z_sum = torch.zeros((), device=logits.device)
+    return TokenLoss(ce_sum=ce_sum, z_sum=z_sum, tokens=mask.sum())
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum over MoE layers of aux_loss_coef * aux_loss from the last forward (None when there is none)."""
+    terms = [m.aux_loss_coef * m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(terms).sum() if terms else None

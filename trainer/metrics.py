@@ -1,0 +1,117 @@
+"""Step metrics: FLOPs per token and MFU (seed: "training FLOPs ~ 6 x parameters x tokens ... less
+the embedding ... plus attention"), a matmul probe for the peak when none is configured, peak
+memory, and where they go: metrics.jsonl, MLflow (rank 0, through infra.tracking.RunLogger) and a
+progress bar. Other ranks stay quiet."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from infra.config.model import ModelConfig
+
+from .model import param_counts
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (active parameters - embedding lookup) + 12 x L x S x H_attn.
+
+    The attention term (Megatron, Narayanan et al. 2021) counts QK^T and AV: 2 matmuls x 2 FLOPs x S
+    x (heads x head size) per token per layer, x3 for forward + backward, without causal halving as
+    the seed does (5 x 2048 x 4096 x 12 x 32768 tokens ~ 16 TFLOP). A tied embedding is also the LM
+    head, a real matmul, so it is not subtracted."""
+    counts = param_counts(cfg)
+    matmul_params = counts["active"] - (0 if cfg.tie_embeddings else counts["embedding"])
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_size
+    return 6.0 * matmul_params + attention
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5,
+                       clock=time.perf_counter) -> float:
+    """Best FLOP/s of a square matmul in `dtype`: the roofline the step is compared against. `clock`
+    lets a benchmark that times steps in CPU time probe with the same clock."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        _sync(device)
+        t0 = clock()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        best = max(best, 4 * 2 * size**3 / max(clock() - t0, 1e-9))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """CUDA max allocated, or this process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kb / 2**20
+
+
+class MetricsSink:
+    """Where rank 0's metrics go. Non-zero ranks get a sink that drops everything."""
+
+    def __init__(self, out_dir: Path | None, tracking_uri: str | None, run_id: str | None,
+                 total_steps: int, enabled: bool, progress: bool = True):
+        self.enabled = enabled
+        self._jsonl = None
+        self._logger = None
+        self._bar = None
+        if not enabled:
+            return
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(out_dir / "metrics.jsonl", "a")
+        if tracking_uri and run_id:
+            try:
+                from infra.tracking import RunLogger
+            except ImportError:  # tracking module not present: keep training, say so once
+                print("trainer: infra.tracking is not available; metrics go to metrics.jsonl only", file=sys.stderr)
+            else:
+                self._logger = RunLogger(tracking_uri, run_id)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, mininterval=2.0)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.flush()
+        if self._logger is not None:
+            self._logger.log_metrics(metrics, step=step)
+        if self._bar is not None and "loss" in metrics:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics.get('lr', 0):.2e}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log_params(self, params: dict) -> None:
+        if self.enabled and self._logger is not None:
+            self._logger.log_params(params)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._logger is not None:
+            self._logger.close()

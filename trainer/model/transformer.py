@@ -1,0 +1,180 @@
+"""A Llama-style decoder, top to bottom (seed chapter 4): embedding -> n x [RMSNorm -> attention ->
+residual -> RMSNorm -> SwiGLU MLP (or MoE) -> residual] -> RMSNorm -> LM head.
+
+Shapes in comments: B batch, S sequence, D model dim, H query heads, K KV heads, d head size, V vocab.
+Parameter names are Hugging Face Llama's, without the `model.` prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infra.config.model import ModelConfig
+
+from .moe import MLP, MoE
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls will run in: autocast's (bf16) when it is on, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as Hugging Face does).
+
+    The result is returned in the dtype the next matmuls compute in: under bf16 autocast that is
+    bf16, so q/k/v (or gate/up) share one cast instead of autocast casting the fp32 output once per
+    projection (the same values either way)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(compute_dtype(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of RoPE angles in Hugging Face's layout: the frequencies are repeated, not interleaved
+    ([f0..f_{d/2-1}, f0..f_{d/2-1}]), to go with `rotate_half`. positions [S] or [B, S] -> [.., S, d]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size))
+    angles = positions.float()[..., None] * inv_freq  # [.., S, d/2]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, d]; cos/sin [S, d] or [B, S, d] (cast to x's dtype, as Hugging Face does)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (K KV heads shared by H/K query heads each)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_size = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        d = self.head_size
+        self.q_proj = nn.Linear(cfg.dim, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.dim, bias=False)
+        # QK-norm (per head, as in OLMo 2 / Qwen 3): bounds attention logits, a loss-spike stabiliser.
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, -1, self.head_size)  # [B, S, H, d]
+        k = self.k_proj(x).view(B, S, -1, self.head_size)  # [B, S, K, d]
+        v = self.v_proj(x).view(B, S, -1, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, D]
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        moe = cfg.moe
+        if moe is not None and layer_id % moe.every == moe.every - 1:
+            self.mlp: nn.Module = MoE(cfg.dim, moe.ffn_dim or cfg.ffn_dim, moe)
+        else:
+            self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """tokens [B, S] -> logits [B, S, V].
+
+    `layers` is a ModuleDict keyed by the global layer index, so a pipeline stage can keep a subset
+    (names stay `layers.7...`), and `embed_tokens` / `norm` / `lm_head` may be set to None on stages
+    that do not hold them: then `forward` takes and returns hidden states [B, S, D].
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) for matrices; the projections that write into the residual stream are scaled
+        by 1/sqrt(2 n_layers) (GPT-2) so the stream's variance does not grow with depth."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norm weights keep their ones
+            is_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+            nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            if isinstance(m, MoE):
+                m.expert_bias.zero_()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # [B, S, D]
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
+        dtype = compute_dtype(h)
+        cos, sin = cos.to(dtype), sin.to(dtype)  # once here rather than per layer and per q/k
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)  # [B, S, V]
+        return h
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Total parameters, parameters active per token (top_k of E routed experts) and the embedding's,
+    counted on the meta device so nothing is allocated. Tied weights count once."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    active = total
+    for m in model.modules():
+        if isinstance(m, MoE):
+            routed = sum(p.numel() for p in m.experts.parameters())
+            active -= routed - routed * m.top_k // m.num_experts
+    embedding = model.embed_tokens.weight.numel()
+    return {"total": total, "active": active, "embedding": embedding}

@@ -1,0 +1,33 @@
+"""Data parallel: torch DDP over the mesh's dp group (seed: "bucketing groups gradients into buffers of
+~25-100 MB ... and overlap starts all-reducing the last layers' bucket while backward is still
+computing earlier layers"). DDP registers autograd hooks that launch each bucket's all-reduce as
+soon as its gradients are ready; the loop uses `no_sync()` on all but the last micro-batch so
+accumulation all-reduces once per step."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .mesh import ParallelDims
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float) -> DistributedDataParallel:
+    device_ids = None
+    if dims.device_type == "cuda":
+        device_ids = [next(model.parameters()).device.index]
+    # Buffers are synced once at init, not every forward: the MoE routing bias stays identical on all
+    # ranks because each rank applies the same all-reduced loads (trainer.loop.train_step).
+    kwargs = {"forward_sync_buffers": False}
+    if "forward_sync_buffers" not in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs = {"broadcast_buffers": False}  # older torch
+    return DistributedDataParallel(
+        model,
+        process_group=dims.group("dp"),
+        device_ids=device_ids,
+        bucket_cap_mb=bucket_mb,
+        gradient_as_bucket_view=True,
+        **kwargs,
+    )
