@@ -34,7 +34,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
-	$(BIN)/eightfold bench all
+	$(BIN)/eightfold bench run all
 
 clean:
 	rm -rf .eightfold .pytest_cache

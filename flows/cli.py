@@ -167,6 +167,72 @@ def compare(
     raise typer.Exit(compare_command(run_a, run_b, config, overrides))
 
 
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command(context_settings=PASS_THROUGH)
+def serve(
+    ctx: typer.Context,
+    model_dir: Optional[str] = typer.Argument(None, help="a Hugging Face checkpoint folder (the export's hf/)"),
+    latest: bool = typer.Option(False, "--latest", help="serve the newest committed export artifact"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="config naming the store (with --latest)"),
+) -> None:
+    """OpenAI-compatible server (paged KV, continuous batching, prefix caching, speculative decoding).
+    Engine options pass through: --host, --port, --api-key, --max-num-seqs, --speculative ngram, ..."""
+    if latest == (model_dir is not None):
+        console.print("[red]give MODEL_DIR or --latest (one of them)[/red]")
+        raise typer.Exit(2)
+    if latest:
+        from infra.workspace import Workspace
+        from stages.serve.stage import latest_export_dir
+
+        try:
+            model_dir = str(latest_export_dir(Workspace.from_config(_load(config, []))))
+        except FileNotFoundError as err:
+            console.print(f"[red]{err}[/red]")
+            raise typer.Exit(3)
+    from stages.serve.cli import main as serve_main
+
+    raise typer.Exit(serve_main(["serve", model_dir, *ctx.args]))
+
+
+BENCHMARKS = {
+    "train": "benchmarks.train_throughput",
+    "data": "benchmarks.data_throughput",
+    "serve": "benchmarks.serve_throughput",
+    "parallel": "benchmarks.parallel_layouts",
+    "checkpoint": "benchmarks.checkpoint",
+}
+
+
+@bench_app.command("run", context_settings=PASS_THROUGH)
+def bench_run(ctx: typer.Context, name: str = typer.Argument(..., help=", ".join([*BENCHMARKS, "all"]))) -> None:
+    """Run a benchmark (extra options pass through); `all` runs each with its defaults."""
+    import importlib
+
+    names = list(BENCHMARKS) if name == "all" else [name]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        console.print(f"[red]unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHMARKS)}, all[/red]")
+        raise typer.Exit(2)
+    for n in names:
+        try:
+            module = importlib.import_module(BENCHMARKS[n])
+        except ModuleNotFoundError as err:
+            console.print(f"[yellow]{n}: not available ({err})[/yellow]")
+            continue
+        module.main(list(ctx.args))
+
+
+@bench_app.command("serve", context_settings=PASS_THROUGH)
+def bench_serve(ctx: typer.Context) -> None:
+    """Load benchmark like `vllm bench serve`: TTFT/TPOT/ITL/e2e and output tokens/s as JSON
+    (--baseline hf, --speculative-bench, --concurrency, --request-rate, MODEL_DIR ...)."""
+    from stages.serve.cli import main as serve_main
+
+    raise typer.Exit(serve_main(["bench", *ctx.args]))
+
+
 def main() -> None:
     try:
         app()

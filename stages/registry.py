@@ -54,13 +54,34 @@ STAGES: dict[str, StageSpec] = {
             lifecycle_stage="data",
         ),
         StageSpec(
+            "ablations",
+            "stages.ablations.stage:run",
+            ("tokens",),
+            lambda c: {"seed": c.seed, "model": _dump(c.model), "pretrain": _dump(c.pretrain),
+                       "ablations": _dump(c.ablations), "device": c.infra.device},
+            lifecycle_stage="ablations",
+        ),
+        StageSpec(
             "pretrain",
             "stages.pretrain:run",
-            ("tokens",),
+            ("tokens", "ablations"),
             lambda c: {"seed": c.seed, "model": _dump(c.model), "parallel": _dump(c.parallel), "pretrain": _dump(c.pretrain)},
             trains=True,
             lifecycle_stage="pretrain",
         ),
+        # post-training: three steps, each its own artifact reading the previous (stages/posttrain/stage.py)
+        *[
+            StageSpec(
+                f"posttrain-{step}",
+                f"stages.posttrain.stage:run_{step}",
+                (upstream, "tokenizer"),
+                lambda c, step=step: {"seed": c.seed, "model": _dump(c.model), "parallel": _dump(c.parallel),
+                                      "task": _dump(c.posttrain.task), step: _dump(getattr(c.posttrain, step))},
+                trains=True,
+                lifecycle_stage="posttrain",
+            )
+            for step, upstream in (("sft", "pretrain"), ("dpo", "posttrain-sft"), ("grpo", "posttrain-dpo"))
+        ],
         StageSpec(
             "export",
             "stages.export.stage:run",
@@ -68,6 +89,7 @@ STAGES: dict[str, StageSpec] = {
             lambda c: {"model": _dump(c.model), "export": _dump(c.export)},
             lifecycle_stage="export",
         ),
+        StageSpec("serve", "stages.serve.stage:run", ("export",), lambda c: {}, lifecycle_stage="serve"),
     ]
 }
 

@@ -1,0 +1,11 @@
+"""The serving engine (seed chapter "serving"): a paged KV cache over a block pool with prefix
+caching (kv_cache.py), requests (request.py) and a scheduler that is pure bookkeeping over a
+per-step token budget (scheduler.py), a paged-attention Llama forward over a Hugging Face checkpoint
+(model.py), the runner that turns one scheduled step into one forward (runner.py), sampling and
+logprobs (sampling.py), speculative decoding with exact rejection sampling (speculative.py), the
+engine and its in-process API for evaluation and RL rollouts (engine.py), its asyncio driver
+(async_engine.py), an OpenAI-compatible HTTP server (server.py), a router over replicas with
+prefix affinity and a canary share (router.py), Prometheus metrics (metrics.py), the load
+benchmark (bench.py), the vLLM Kubernetes manifest for cluster scale (k8s.py), the lifecycle's
+serve stage (stage.py), a plain command line (cli.py) and the tiny checkpoint tests and the
+benchmark build (testing.py)."""

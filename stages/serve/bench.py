@@ -1,0 +1,443 @@
+"""`eightfold bench serve`: load-test the OpenAI-compatible server like `vllm bench serve`.
+
+N requests, sent at a Poisson request rate or held at a fixed concurrency, stream from
+/v1/completions; the client times each token's arrival. Reported as JSON lines: output tokens/s
+and TTFT, TPOT (decode time per output token after the first), ITL (gap between streamed chunks)
+and end-to-end latency, each with mean, median and p99 in milliseconds.
+
+`--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
+a time and in static batches of `concurrency` (padded, each batch running until its longest
+request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
+`--speculative` decodes repetitive code prompts one at a time with and without speculation
+(n-gram prompt lookup, and the draft model when given) and reports `spec_speedup`, the acceptance
+rate and whether the greedy outputs are identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPETITIVE_CODE = [
+    "def add_{i}(a, b):\n    return a + b\n\ndef sub_{i}(a, b):\n    return a - b\n\ndef mul_{i}(a, b):\n    return a * b\n\n",
+    "for i in range({i}):\n    print(i)\nfor j in range({i}):\n    print(j)\nfor k in range({i}):\n    print(k)\n",
+    "class Point{i}:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\nclass Size{i}:\n"
+    "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n\n",
+    "x{i} = [1, 2, 3]\ny{i} = [1, 2, 3]\nz{i} = [1, 2, 3]\nw{i} = [1, 2, 3]\n",
+]
+
+
+@dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestTiming:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    v = sorted(values)
+    p99 = v[min(len(v) - 1, max(0, math.ceil(0.99 * len(v)) - 1))]
+    return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99}
+
+
+def make_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                  seed: int) -> list[BenchRequest]:
+    """Random-length prompts cut from the standard library's source (like vLLM's random dataset,
+    but real text), lengths uniform in [len*(1-r), len*(1+r)]."""
+    from .testing import _stdlib_text
+
+    rng = random.Random(seed)
+    corpus = tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio))))
+        n_out = rng.randint(max(1, int(output_len * (1 - range_ratio))), max(1, int(output_len * (1 + range_ratio))))
+        start = rng.randrange(0, len(corpus) - n_in)
+        reqs.append(BenchRequest(corpus[start:start + n_in], n_out))
+    return reqs
+
+
+async def _one(session, url: str, model: str, req: BenchRequest) -> RequestTiming:
+    t = RequestTiming()
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last = start
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                t.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                return t
+            async for raw in r.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    t.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                    continue
+                if t.ttft == 0.0:
+                    t.ttft = now - start
+                else:
+                    t.itl.append(now - last)
+                last = now
+        t.e2e = time.perf_counter() - start
+        t.ok = t.output_tokens > 0
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        t.error = repr(e)
+    return t
+
+
+async def run_load(base_url: str, model: str, reqs: list[BenchRequest], concurrency: int | None,
+                   request_rate: float, seed: int) -> tuple[list[RequestTiming], float]:
+    """The client side (aiohttp, as vLLM's benchmark uses: its C parser keeps the client cheap)."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency or len(reqs))
+    conn = aiohttp.TCPConnector(limit=(concurrency or len(reqs)) + 8)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        async def gated(r):
+            async with sem:
+                return await _one(session, base_url, model, r)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for r in reqs:
+            tasks.append(asyncio.create_task(gated(r)))
+            if math.isfinite(request_rate) and request_rate > 0:
+                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+        timings = await asyncio.gather(*tasks)
+        return timings, time.perf_counter() - t0
+
+
+def run_engine_load(model_dir: str, reqs: list[BenchRequest], concurrency: int | None,
+                    **engine_options) -> tuple[list[RequestTiming], float]:
+    """The same load on the engine in this process, without HTTP: what the serving stack costs on
+    top of the engine shows as the gap between this figure and the served one."""
+    from .async_engine import AsyncEngine
+    from .engine import EngineConfig, LLMEngine
+    from .sampling import SamplingParams
+
+    engine = AsyncEngine(LLMEngine(model_dir, EngineConfig.from_options(**engine_options)))
+
+    async def one(sem, r: BenchRequest) -> RequestTiming:
+        t = RequestTiming()
+        async with sem:
+            start = last = time.perf_counter()
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            async for o in engine.generate(r.prompt_ids, params):
+                now = time.perf_counter()
+                if o.delta_token_ids:
+                    if t.ttft == 0.0:
+                        t.ttft = now - start
+                    else:
+                        t.itl.append(now - last)
+                    last = now
+                t.output_tokens = len(o.token_ids)
+            t.e2e = time.perf_counter() - start
+            t.ok = True
+        return t
+
+    async def main():
+        sem = asyncio.Semaphore(concurrency or len(reqs))
+        await asyncio.gather(*[one(sem, r) for r in reqs[:2]])  # warm-up
+        t0 = time.perf_counter()
+        timings = await asyncio.gather(*[one(sem, r) for r in reqs])
+        return timings, time.perf_counter() - t0
+
+    return asyncio.run(main())
+
+
+def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
+    ok = [t for t in timings if t.ok]
+    out_tokens = sum(t.output_tokens for t in ok)
+    tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(timings) - len(ok),
+        "errors": sorted({t.error for t in timings if t.error})[:3],
+        "duration_s": duration,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration if duration > 0 else 0.0,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "ttft_ms": _stats_ms([t.ttft for t in ok]),
+        "tpot_ms": _stats_ms(tpot),
+        "itl_ms": _stats_ms([x for t in ok for x in t.itl]),
+        "e2e_ms": _stats_ms([t.e2e for t in ok]),
+    }
+
+
+def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequential_requests: int,
+                 pad_token_id: int) -> dict[str, float]:
+    """Hugging Face `generate`, greedy, generating exactly each request's output length."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: every request runs to its length
+    model.generation_config.pad_token_id = pad_token_id
+    with torch.no_grad():
+        model.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=4, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        n_seq = 0
+        for r in reqs[:sequential_requests]:
+            out = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.output_len, do_sample=False)
+            n_seq += out.shape[1] - len(r.prompt_ids)
+        seq_tps = n_seq / (time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        useful = 0
+        for b in range(0, len(reqs), batch_size):
+            batch = reqs[b:b + batch_size]
+            width = max(len(r.prompt_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):  # left padding
+                ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+                mask[i, width - len(r.prompt_ids):] = 1
+            # a static batch runs until its longest request is done; only requested tokens count
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.output_len for r in batch), do_sample=False)
+            useful += sum(r.output_len for r in batch)
+        static_tps = useful / (time.perf_counter() - t0)
+    return {"sequential": seq_tps, "static": static_tps, "sequential_requests": sequential_requests}
+
+
+def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int, output_len: int, k: int,
+                   **engine_options) -> list[dict[str, Any]]:
+    """Decode repetitive code prompts one at a time, plain vs speculative; same greedy output required."""
+    from .engine import EngineConfig, LLMEngine
+    from .sampling import SamplingParams
+
+    prompts = [REPETITIVE_CODE[i % len(REPETITIVE_CODE)].format(i=i) for i in range(num_prompts)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+    def run(**extra):
+        eng = LLMEngine(model_dir, EngineConfig.from_options(**{**engine_options, **extra}))
+        eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        outs, decode_s = [], 0.0
+        for p in prompts:  # one request at a time: the latency-bound case speculation is for
+            rid = eng.add_request(p, params)
+            first = None
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if first is None and o.token_ids:
+                        first = time.perf_counter()
+                    if o.finished and o.request_id == rid:
+                        outs.append(o.token_ids)
+            decode_s += time.perf_counter() - (first or t0)
+        m = eng.metrics
+        prop, acc = m.spec_proposed.value(model=eng.model_name), m.spec_accepted.value(model=eng.model_name)
+        return outs, decode_s, (acc / prop if prop else None)
+
+    plain, plain_s, _ = run(speculative=None)
+    results = []
+    kinds = [("ngram", {})] + ([("draft", {"draft_model_dir": draft_model_dir})] if draft_model_dir else [])
+    for kind, extra in kinds:
+        outs, s, acc = run(speculative=kind, num_speculative_tokens=k, **extra)
+        results.append({"figure": f"speculative_{kind}", "method": kind, "num_speculative_tokens": k,
+                        "plain_decode_s": plain_s, "spec_decode_s": s, "spec_speedup": plain_s / s,
+                        "acceptance_rate": acc, "identical_greedy": outs == plain,
+                        "decode_tokens": sum(len(o) - 1 for o in outs)})
+    return results
+
+
+def start_server_process(model_dir: str, threads: int | None, timeout: float = 120.0, **engine_options):
+    """`python -m stages.serve.cli serve` in its own process on a free port; returns (process, url)."""
+    import os
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "stages.serve.cli", "serve", str(model_dir), "--port", str(port)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    for k, v in engine_options.items():
+        if v is not None:
+            cmd += ["--" + k.replace("_", "-"), str(v)]
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+
+
+def bench_serve_command(
+    model_dir: str | None = None,
+    *,
+    num_prompts: int = 192,
+    concurrency: int | None = 32,
+    request_rate: float = float("inf"),
+    input_len: int = 64,
+    output_len: int = 128,
+    range_ratio: float = 0.75,
+    seed: int = 0,
+    baseline: str | None = None,
+    baseline_sequential_requests: int = 8,
+    speculative: bool = False,
+    draft_model_dir: str | None = None,
+    num_speculative_tokens: int = 4,
+    spec_prompts: int = 4,
+    spec_output_len: int = 128,
+    threads: int | None = 1,
+    base_url: str | None = None,
+    out: str | None = None,
+    server: str = "process",
+    train_steps: int = 150,
+    cache_dir: str | None = None,
+    in_process: bool = True,
+    rounds: int = 3,
+    **engine_options,
+) -> int:
+    """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
+    on a tiny random checkpoint built on the spot) and print one JSON line per figure."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .server import ServerThread, build_app, build_router
+    from .testing import make_tiny_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)  # the engine and the baselines alike
+    if baseline not in (None, "hf"):
+        print(f"unknown baseline {baseline!r}; supported: hf", file=sys.stderr)
+        return 2
+    if model_dir is None and base_url is None:
+        # no checkpoint given: a tiny one trained briefly on code, kept under .eightfold/ for reruns
+        root = Path(cache_dir or ".eightfold/bench") / f"tiny-serve-v2-{train_steps}"
+        print(f"building the tiny benchmark checkpoint in {root} (once)", file=sys.stderr)
+        model_dir = str(make_tiny_checkpoint(root / "target", draft_dir=root / "draft", train_steps=train_steps))
+        draft_model_dir = draft_model_dir or str(root / "draft")
+    lines: list[dict[str, Any]] = []
+
+    def emit(d: dict[str, Any]) -> None:
+        lines.append(d)
+        print(json.dumps(d, default=float), flush=True)
+
+    tok_dir = model_dir
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir) if tok_dir else None
+    if tokenizer is None:
+        print("need MODEL_DIR for its tokenizer", file=sys.stderr)
+        return 2
+    engine_options.setdefault("max_num_seqs", max(concurrency or 0, 64))
+    # Rounds, each on fresh prompts (no prefix-cache carry-over), run the served load, the in-process
+    # engine and the baselines back to back; ratios are taken within a round and the median round is
+    # reported, so load from other processes on a shared machine skews a ratio less than a figure.
+    rounds_out: list[dict[str, Any]] = []
+    proc = router = srv = None
+    try:
+        if base_url is None and server == "thread":  # same process: simpler, but client and server share a GIL
+            router = build_router(model_dir, **engine_options).start()
+            srv = ServerThread(build_app(router)).__enter__()
+            url = srv.url
+        elif base_url is None:
+            proc, url = start_server_process(model_dir, threads, **engine_options)
+        else:
+            url = base_url.rstrip("/")
+        import httpx
+
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        for rnd in range(rounds):
+            reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
+            asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
+            r: dict[str, Any] = {"serve": summarize(*asyncio.run(run_load(url, model, reqs, concurrency,
+                                                                           request_rate, seed)))}
+            if model_dir is not None and in_process:
+                r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options))
+            if baseline == "hf":
+                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                r["hf"] = hf_baselines(model_dir, reqs, concurrency or 32,
+                                       min(baseline_sequential_requests, len(reqs)), pad)
+            rounds_out.append(r)
+            print(f"round {rnd + 1}/{rounds}: served {r['serve']['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    finally:
+        if srv is not None:
+            srv.__exit__(None, None, None)
+        if router is not None:
+            router.shutdown()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+    def median_round(key: str) -> dict[str, Any]:
+        ordered = sorted(rounds_out, key=lambda r: r[key]["output_tokens_per_s"])
+        return ordered[len(ordered) // 2][key]
+
+    summary = median_round("serve")
+    emit({"figure": "serve", "model": model, "num_prompts": num_prompts, "concurrency": concurrency,
+          "request_rate": request_rate, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
+          "rounds": rounds, **summary,
+          "rounds_output_tokens_per_s": [r["serve"]["output_tokens_per_s"] for r in rounds_out]})
+    failed = sum(r["serve"]["failed"] for r in rounds_out)
+    if failed:
+        print(f"{failed} requests failed: {summary['errors']}", file=sys.stderr)
+    if "engine" in rounds_out[0]:
+        esum = median_round("engine")
+        emit({"figure": "engine_in_process", "model": model, "concurrency": concurrency,
+              **{k: esum[k] for k in ("completed", "duration_s", "output_tokens", "output_tokens_per_s", "ttft_ms",
+                                      "tpot_ms", "itl_ms", "e2e_ms")},
+              "rounds_output_tokens_per_s": [r["engine"]["output_tokens_per_s"] for r in rounds_out],
+              "served_over_in_process": statistics.median(r["serve"]["output_tokens_per_s"] / r["engine"]["output_tokens_per_s"]
+                                                          for r in rounds_out)})
+    if baseline == "hf":
+        for key, label in (("sequential", "hf generate, one request at a time"),
+                           ("static", f"hf generate, static batches of {concurrency or 32}")):
+            ratios = [r["serve"]["output_tokens_per_s"] / r["hf"][key] for r in rounds_out]
+            line = {"figure": f"baseline_hf_{key}", "baseline": label,
+                    "output_tokens_per_s": summary["output_tokens_per_s"],
+                    "baseline_output_tokens_per_s": statistics.median(r["hf"][key] for r in rounds_out),
+                    "ratio": statistics.median(ratios), "rounds_ratio": ratios}
+            if key == "sequential":
+                line["baseline_requests"] = rounds_out[0]["hf"]["sequential_requests"]
+            if "engine" in rounds_out[0]:
+                eratios = [r["engine"]["output_tokens_per_s"] / r["hf"][key] for r in rounds_out]
+                line["engine_in_process_ratio"] = statistics.median(eratios)
+                line["rounds_engine_in_process_ratio"] = eratios
+            emit(line)
+    if speculative:
+        opts = {k: v for k, v in engine_options.items() if k not in ("max_num_seqs",)}
+        for d in spec_benchmark(model_dir, draft_model_dir, spec_prompts, spec_output_len, num_speculative_tokens, **opts):
+            emit(d)
+    if out:
+        Path(out).write_text("\n".join(json.dumps(d, default=float) for d in lines) + "\n")
+    return 0 if not failed else 1

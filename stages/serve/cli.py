@@ -1,0 +1,91 @@
+"""`python -m stages.serve.cli serve MODEL_DIR ...` and `... bench ...`: the serve stage's command
+line without the project CLI (the benchmark starts its server this way, in its own process).
+Every EngineConfig field is an option (`--max-num-seqs 32`, `--speculative ngram`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from .engine import EngineConfig
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        t = hints[f.name]
+        args = typing.get_args(t)
+        base = next((a for a in args if a is not type(None)), t) if args else t
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+        else:
+            p.add_argument(flag, type=base, default=None)
+
+
+def _engine_options(ns: argparse.Namespace) -> dict:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig) if getattr(ns, f.name) is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages.serve.cli")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server on a Hugging Face checkpoint folder")
+    s.add_argument("model_dir")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--request-log", default=None, help="JSONL file of prompts and outputs (opt-in)")
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--canary-model-dir", default=None)
+    s.add_argument("--canary-share", type=float, default=0.0)
+    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    _add_engine_options(s)
+
+    b = sub.add_parser("bench", help="load benchmark (like `vllm bench serve`)")
+    b.add_argument("model_dir", nargs="?", default=None)
+    b.add_argument("--base-url", default=None)
+    b.add_argument("--num-prompts", type=int, default=192)
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--request-rate", type=float, default=float("inf"))
+    b.add_argument("--input-len", type=int, default=64)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--range-ratio", type=float, default=0.75)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--baseline", choices=["hf"], default=None)
+    b.add_argument("--speculative-bench", dest="spec", action="store_true")
+    b.add_argument("--draft-model-dir", default=None)
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--out", default=None)
+    b.add_argument("--server", choices=["process", "thread"], default="process")
+    b.add_argument("--rounds", type=int, default=3, help="repeat and report the median round")
+    b.add_argument("--max-num-seqs", type=int, default=None)
+    b.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ns = parser.parse_args(argv)
+
+    if ns.cmd == "serve":
+        if ns.threads:
+            import torch
+
+            torch.set_num_threads(ns.threads)
+        from .server import serve_command
+
+        return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
+                             replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
+                             canary_share=ns.canary_share, **_engine_options(ns))
+    from .bench import bench_serve_command
+
+    opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens))
+            if v is not None}
+    return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,
+                               request_rate=ns.request_rate, input_len=ns.input_len, output_len=ns.output_len,
+                               range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
+                               draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
+                               out=ns.out, server=ns.server, rounds=ns.rounds, **opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""The engine: tokenizer, scheduler, runner and proposer wired into `step()`, plus the in-process
+API the evaluate stage and GRPO rollouts use (`generate`, `score`, `update_weights`).
+
+One step: the scheduler splits the token budget, the runner does one forward and samples, the
+scheduler books the result, stop strings are checked on the detokenised text, and the proposer
+guesses the next draft tokens. Nothing here is thread-safe; `AsyncEngine` (async_engine.py) drives
+it from the server's event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from .metrics import ServeMetrics
+from .model import KVCacheTensors, PagedLlama
+from .request import Request
+from .runner import ModelRunner
+from .sampling import SamplingParams, TokenLogprob, make_generator
+from .scheduler import Scheduler, SchedulerConfig
+from .speculative import DraftModelProposer, NgramProposer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (each one is also a `serve` / `bench serve` CLI option)."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_gb: float = 0.25
+    """Memory budget of the KV cache; the number of blocks follows from the per-token size."""
+    num_kv_blocks: int | None = None
+    """Override the block count (tests use tiny pools to force preemption)."""
+    kv_cache_dtype: str = "auto"
+    """"auto" (the model's dtype) or "fp8" (e4m3 with a scale per slot and head)."""
+    enable_prefix_caching: bool = True
+    """Share the K/V of common prompt prefixes between requests."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunks beyond it are split)."""
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default the checkpoint's max_position_embeddings."""
+    dtype: str = "float32"
+    """Compute dtype: float32 (CPU default), bfloat16 or float16."""
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    speculative: str | None = None
+    """None, "ngram" (prompt lookup) or "draft" (needs draft_model_dir)."""
+    draft_model_dir: str | None = None
+    """Hugging Face folder of the draft model (same tokenizer)."""
+    num_speculative_tokens: int = 4
+    """k: draft tokens proposed per step."""
+    ngram_max: int = 4
+    """Longest suffix matched by prompt lookup."""
+    ngram_min: int = 1
+    """Shortest suffix matched by prompt lookup."""
+    max_waiting: int = 512
+    """Waiting requests beyond which the server answers 429."""
+    served_model_name: str | None = None
+    """Name in /v1/models; default the folder name."""
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(options) - known)
+        if bad:
+            raise ValueError(f"unknown engine option(s) {bad}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in options.items() if v is not None or k in ("speculative",)})
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative == "draft" and not self.draft_model_dir:
+            raise ValueError("speculative='draft' needs draft_model_dir")
+        if self.speculative and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (`delta_*`: new since the previous output)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class _Detok:
+    """Incremental text of one request (vLLM's prefix/read offsets): each step decodes only a few
+    tokens before the new ones, so the cost does not grow with the output. A tail that could still
+    become a stop string, or is an incomplete UTF-8 sequence, is held back from the stream."""
+
+    def __init__(self, stop: list[str], decode):
+        self.stop = stop
+        self.decode = decode
+        self.hold = max((len(x) for x in stop), default=1) - 1
+        self.sent = 0
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def update(self, ids: list[int]) -> None:
+        if self.read_offset >= len(ids):
+            return
+        prefix = self.decode(ids[self.prefix_offset:self.read_offset])
+        full = self.decode(ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+
+    def flush(self, ids: list[int]) -> None:
+        """At the end: whatever is left, incomplete bytes included."""
+        if self.read_offset < len(ids):
+            prefix = self.decode(ids[self.prefix_offset:self.read_offset])
+            self.text += self.decode(ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(ids)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, tokenizer=None,
+                 metrics: ServeMetrics | None = None):
+        from transformers import AutoTokenizer
+
+        self.config = c = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").exists():
+            raise FileNotFoundError(f"{self.model_dir} is not a Hugging Face checkpoint folder (no config.json)")
+        self.model_name = c.served_model_name or self.model_dir.name
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(self.model_dir))
+        dtype = DTYPES[c.dtype]
+        self.model = PagedLlama.from_pretrained(self.model_dir, dtype=dtype, device=c.device)
+        shape = self.model.shape
+        self.max_model_len = min(c.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+        fp8 = c.kv_cache_dtype == "fp8"
+        # fp8 stores 1 byte per value plus a 4-byte scale per (token, head): count both
+        per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1 if fp8 else dtype.itemsize)
+        if fp8:
+            per_token += 2 * shape.num_layers * shape.num_kv_heads * 4
+        self.draft_model = None
+        if c.speculative == "draft":
+            self.draft_model = PagedLlama.from_pretrained(c.draft_model_dir, dtype=dtype, device=c.device)
+            ds = self.draft_model.shape
+            if ds.vocab_size != shape.vocab_size:
+                raise ValueError(f"draft vocab {ds.vocab_size} != target vocab {shape.vocab_size}: "
+                                 "the draft must share the target's tokenizer")
+            per_token += kv_bytes_per_token(ds.num_layers, ds.num_kv_heads, ds.head_dim, dtype.itemsize)
+        self.kv_bytes_per_token = per_token
+        num_blocks = c.num_kv_blocks or num_blocks_for_budget(int(c.kv_cache_memory_gb * 2**30), c.block_size, per_token)
+        self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.cache = KVCacheTensors(shape, num_blocks, c.block_size, dtype, self.model.device, fp8=fp8)
+        k = c.num_speculative_tokens if c.speculative else 0
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, k, self.max_model_len), self.kv)
+        self.runner = ModelRunner(self.model, self.cache, self.kv)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if c.speculative == "ngram":
+            self.proposer = NgramProposer(k, c.ngram_max, c.ngram_min, self.max_model_len)
+        elif c.speculative == "draft":
+            draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
+            self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
+        self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.running.set_function(lambda: len(self.scheduler.running), model=self.model_name)
+        self.metrics.waiting.set_function(lambda: len(self.scheduler.waiting), model=self.model_name)
+        self.metrics.kv_usage.set_function(self.kv.usage, model=self.model_name)
+        self._detok: dict[str, _Detok] = {}
+        self._ids = itertools.count()
+        self._last_prefix = (0, 0)
+        self.num_steps = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust tokenizer directly: transformers' wrapper costs more than the decode
+            return backend.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.shape.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (a 400 for the server) when the request can never run."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.check_request(ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, eos_token_id=self.eos_token_id,
+                      generator=make_generator(params, self.model.device))
+        self.scheduler.add_request(req)
+        self._detok[rid] = _Detok(params.stop, self._decode)
+        self.metrics.prompt_tokens.inc(len(ids), model=self.model_name)
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        req = self.scheduler.finish_request(request_id, "abort")
+        if req is not None:
+            self.metrics.requests.inc(model=self.model_name, finish_reason="abort")
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.preempted:
+            self.metrics.preemptions.inc(len(sched.preempted), model=self.model_name)
+        results = self.runner.execute(sched)
+        before = {s.request.request_id: s.request.num_tokens for s in sched.scheduled}
+        self.scheduler.update_from_output(sched, results)
+        self.num_steps += 1
+        outputs = []
+        now = time.monotonic()
+        m, name = self.metrics, self.model_name
+        for s in sched.scheduled:
+            req = s.request
+            new = req.num_tokens - before[req.request_id]
+            if new == 0 and not req.is_finished:
+                continue
+            if new and req.num_output_tokens == new:  # the request's first tokens
+                m.ttft.observe(now - req.arrival_time, model=name)
+                m.queue.observe((req.first_scheduled_time or now) - req.arrival_time, model=name)
+            elif new:
+                m.itl.observe((now - (req.last_emit_time or now)) / new, model=name)
+            req.last_emit_time = now
+            m.generation_tokens.inc(new, model=name)
+            if s.spec_token_ids and results.get(req.request_id) and results[req.request_id].sampled:
+                m.spec_proposed.inc(len(s.spec_token_ids), model=name)
+                m.spec_accepted.inc(len(results[req.request_id].sampled) - 1, model=name)
+            outputs.append(self._output(req, new))
+        queries, hits = self.kv.stats.queries, self.kv.stats.hits
+        m.prefix_queries.inc(queries - self._last_prefix[0], model=name)
+        m.prefix_hits.inc(hits - self._last_prefix[1], model=name)
+        self._last_prefix = (queries, hits)
+        if self.proposer is not None:
+            decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.propose(decoding, {r.request_id: self.kv.block_ids(r.request_id) for r in decoding})
+            else:
+                self.proposer.propose(decoding)
+        return outputs
+
+    def _output(self, req: Request, num_new: int) -> RequestOutput:
+        d = self._detok.get(req.request_id) or _Detok(req.params.stop, self._decode)
+        out_ids = req.output_token_ids
+        if num_new or req.is_finished:
+            seen = len(d.text)
+            d.update(out_ids)
+            if req.is_finished:
+                d.flush(out_ids)
+            if d.stop and len(d.text) > seen:
+                lo = max(0, seen - d.hold)
+                hits = [i for i in (d.text.find(x, lo) for x in d.stop) if i >= 0]
+                if hits:
+                    d.text = d.text[:min(hits)]
+                    if not req.is_finished:
+                        self.scheduler.finish_request(req.request_id, "stop")
+                        req.finish_reason = "stop"
+        finished = req.is_finished
+        upto = len(d.text) if finished else max(d.sent, len(d.text) - d.hold)
+        if not finished and d.text[:upto].endswith("\ufffd"):
+            upto = max(d.sent, upto - 1)
+        delta = d.text[d.sent:upto]
+        d.sent = upto
+        if finished:
+            self._detok.pop(req.request_id, None)
+            now = time.monotonic()
+            self.metrics.e2e.observe(now - req.arrival_time, model=self.model_name)
+            self.metrics.requests.inc(model=self.model_name, finish_reason=req.finish_reason or "stop")
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=out_ids,
+            text=d.text[:upto],
+            delta_text=delta,
+            delta_token_ids=out_ids[len(out_ids) - num_new:] if num_new else [],
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- in-process API --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching inside); outputs in prompt order."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine (requests are in flight)")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    def score(self, pairs: Sequence[tuple[str | Sequence[int], str | Sequence[int]]]) -> list[tuple[float, bool]]:
+        """Loglikelihood of each continuation given its context, and whether it is the greedy
+        continuation (lm-eval's `loglikelihood`). Strings are tokenised as context+continuation."""
+        reqs = []
+        for ctx, cont in pairs:
+            if isinstance(ctx, str) and isinstance(cont, str):
+                whole = self.encode(ctx + cont)
+                n_ctx = len(self.encode(ctx))
+                # a merge across the boundary: take the continuation as the tokens past the context
+                n_ctx = min(n_ctx, len(whole) - 1)
+            else:
+                c, x = self.encode(ctx), self.encode(cont)
+                whole, n_ctx = c + x, len(c)
+            if n_ctx < 1 or len(whole) <= n_ctx:
+                raise ValueError("score() needs a non-empty context and continuation")
+            reqs.append((whole, n_ctx))
+        outs = self.generate([w for w, _ in reqs], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+        result = []
+        for (whole, n_ctx), o in zip(reqs, outs):
+            lps = o.prompt_logprobs[n_ctx:]
+            total = sum(lp.logprob for lp in lps)
+            greedy = all(max(lp.top, key=lp.top.get) == lp.token_id for lp in lps)
+            result.append((total, greedy))
+        return result
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new weights (Hugging Face names) between generations (GRPO) and drop the prefix
+        cache, whose K/V were computed by the old weights."""
+        if self.has_unfinished():
+            raise RuntimeError("update_weights() needs an idle engine (requests are in flight)")
+        self.model.load_weights(state_dict)
+        self.kv.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()

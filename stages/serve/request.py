@@ -1,0 +1,93 @@
+"""One generation request as the scheduler sees it: its tokens, how many have K/V computed, the
+draft tokens proposed for it, and its status (vLLM v1's Request, in our words)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+
+    token_ids: list[int] = field(init=False)  # prompt then output, the confirmed tokens
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    spec_token_ids: list[int] = field(default_factory=list)  # draft proposals to verify next step
+    spec_draft_probs: torch.Tensor | None = None  # [k, V] draft distribution (None: deterministic draft)
+    draft_num_computed: int = 0  # tokens whose K/V the draft model wrote (valid up to the accepted ones)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_emit_time: float | None = None  # when the engine last handed tokens out (inter-token latency)
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> bool:
+        """Add one sampled token; True when it ends the request (EOS, a stop token, max_tokens)."""
+        self.token_ids.append(token_id)
+        if not self.params.ignore_eos and token_id == self.eos_token_id:
+            self.finish_reason = "stop"
+            return True
+        if token_id in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+            return True
+        if self.num_output_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,100 @@
+"""Turns one scheduled step into one forward of the target model and the tokens it yields.
+
+All requests of the step, whatever their phase (a prefill chunk, a decode, a decode with k draft
+tokens to verify), go through a single forward; logits are computed only for the rows that need
+them: the last row of a request that reaches its end, the k+1 verification rows of a speculative
+request, and every row of a prompt whose logprobs were asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCacheManager
+from .model import KVCacheTensors, PagedLlama, run_paged
+from .sampling import Sampler, TokenLogprob, token_logprobs
+from .scheduler import SchedulerOutput, StepResult
+from .speculative import rejection_sample
+
+
+class ModelRunner:
+    def __init__(self, model: PagedLlama, cache: KVCacheTensors, kv: KVCacheManager):
+        self.model = model
+        self.cache = cache
+        self.kv = kv
+        self.sampler = Sampler()
+
+    def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
+        if not out.scheduled:
+            return {}
+        seqs, rows, plans = [], [], []
+        for s in out.scheduled:
+            req = s.request
+            end = s.start + s.num_new_tokens
+            confirmed = req.token_ids[s.start:end]
+            toks = confirmed + s.spec_token_ids[: s.num_new_tokens - len(confirmed)]
+            want: list[int] = []
+            prompt_rows = range(0)
+            have = len(req.prompt_logprobs)
+            if req.wants_prompt_logprobs and have < req.num_prompt_tokens:
+                # logits at position p score prompt token p+1; rows already scored before a
+                # preemption are not scored again
+                first = max(s.start, have - 1) if have else s.start
+                prompt_rows = range(first - s.start, max(first, min(end, req.num_prompt_tokens - 1)) - s.start)
+                want.extend(prompt_rows)
+            n_sample_rows = 0
+            if s.samples:
+                first = req.num_tokens - 1 - s.start
+                n_sample_rows = s.num_new_tokens - first
+                want.extend(range(first, s.num_new_tokens))
+            seqs.append((self.kv.block_ids(req.request_id), s.start, toks))
+            rows.append(want)
+            plans.append((s, prompt_rows, n_sample_rows))
+        logits = run_paged(self.model, self.cache, seqs, rows)
+
+        results: dict[str, StepResult] = {}
+        plain_rows, plain_reqs = [], []
+        offset = 0
+        for s, prompt_rows, n_sample in plans:
+            req = s.request
+            res = StepResult(sampled=[])
+            n_prompt = len(prompt_rows)
+            if req.wants_prompt_logprobs and (n_prompt or (s.start == 0 and not req.prompt_logprobs)):
+                plp: list[TokenLogprob | None] = [None] if not req.prompt_logprobs else []
+                if n_prompt:
+                    p0 = s.start + prompt_rows.start + 1
+                    targets = torch.tensor(req.token_ids[p0: p0 + n_prompt], device=logits.device)
+                    plp += token_logprobs(logits[offset: offset + n_prompt], targets, req.params.prompt_logprobs or 0)
+                res.prompt_logprobs = plp
+            offset += n_prompt
+            if n_sample:
+                sample_logits = logits[offset: offset + n_sample]
+                if s.spec_token_ids:
+                    probs = req.spec_draft_probs
+                    if probs is not None:
+                        probs = probs[: len(s.spec_token_ids)]
+                    res.sampled = rejection_sample(sample_logits, s.spec_token_ids, probs, req.params, req.generator)
+                    if req.params.logprobs is not None:
+                        ids = torch.tensor(res.sampled, device=logits.device)
+                        res.logprobs = token_logprobs(sample_logits[: len(res.sampled)], ids, req.params.logprobs)
+                else:
+                    plain_rows.append(offset)
+                    plain_reqs.append((req, res))
+            offset += n_sample
+            results[req.request_id] = res
+        if plain_rows:
+            sel = logits[torch.tensor(plain_rows, device=logits.device)]
+            toks = self.sampler(sel, [r.params for r, _ in plain_reqs], [r.generator for r, _ in plain_reqs])
+            tok_list = toks.tolist()
+            want_lp = [i for i, (r, _) in enumerate(plain_reqs) if r.params.logprobs is not None]
+            if want_lp:
+                top_n = max(plain_reqs[i][0].params.logprobs for i in want_lp)
+                idx = torch.tensor(want_lp, device=logits.device)
+                lps = token_logprobs(sel[idx], toks[idx], top_n)
+                for i, lp in zip(want_lp, lps):
+                    n = plain_reqs[i][0].params.logprobs
+                    lp.top = dict(list(lp.top.items())[:n])
+                    plain_reqs[i][1].logprobs = [lp]
+            for (req, res), t in zip(plain_reqs, tok_list):
+                res.sampled = [t]
+        return results

@@ -1,0 +1,78 @@
+"""The serve stage of the lifecycle: check that the exported checkpoint serves (load it in the
+engine, generate, compare the engine's greedy tokens with transformers' on the same prompt) and
+write what it takes to run it: `vllm.yaml` (the Kubernetes Deployment for GPU clusters, from
+k8s.py) and `serve.json` (the local command, KV-cache capacity, the smoke result).
+
+`eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .k8s import from_lifecycle_config, render_yaml
+
+SMOKE_PROMPT = "def fibonacci(n):\n"
+
+
+def hf_dir(export_dir: Path) -> Path:
+    """The export artifact keeps the Hugging Face checkpoint in `hf/`; a bare HF folder is accepted too."""
+    for cand in (export_dir / "hf", export_dir):
+        if (cand / "config.json").exists():
+            return cand
+    raise FileNotFoundError(f"no Hugging Face checkpoint (config.json) in {export_dir} or {export_dir / 'hf'}")
+
+
+def latest_export_dir(workspace, stage: str = "export") -> Path:
+    """Download the newest committed export artifact into the workdir and return its HF folder."""
+    from infra.artifacts import latest_artifact
+
+    art = latest_artifact(workspace.store, workspace.experiment, stage)
+    if art is None:
+        raise FileNotFoundError(f"no committed {stage!r} artifact in {workspace.store_uri} for experiment "
+                                f"{workspace.experiment!r}: run the export stage first")
+    return hf_dir(art.download(workspace.path("serve", art.fingerprint)))
+
+
+def smoke_test(model_dir: Path, max_tokens: int = 16) -> dict[str, Any]:
+    """Greedy tokens from the engine and from transformers on the same prompt must agree."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .engine import EngineConfig, LLMEngine
+    from .sampling import SamplingParams
+
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_memory_gb=0.05))
+    out = engine.generate([SMOKE_PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([engine.encode(SMOKE_PROMPT)])
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+    return {"prompt": SMOKE_PROMPT, "completion": out.text, "engine_tokens": out.token_ids, "hf_tokens": ref,
+            "matches_hf": out.token_ids == ref, "kv_blocks": engine.kv.pool.num_blocks,
+            "kv_bytes_per_token": engine.kv_bytes_per_token}
+
+
+def run(ctx) -> dict[str, Any]:
+    """StageContext in: inputs["export"] (local folder), input_uris["export"]. Writes vllm.yaml, serve.json."""
+    export = ctx.inputs.get("export")
+    if export is None:
+        raise KeyError("the serve stage needs the 'export' artifact as input")
+    model_dir = hf_dir(Path(export))
+    smoke = smoke_test(model_dir)
+    if not smoke["matches_hf"]:
+        raise RuntimeError(f"the engine and transformers disagree on {model_dir}: {smoke}")
+    uri = ctx.input_uris.get("export", str(export)).rstrip("/")
+    model_uri = uri + "/hf" if model_dir.name == "hf" else uri
+    manifest = render_yaml(from_lifecycle_config(ctx.cfg, model_uri))
+    out = Path(ctx.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm.yaml").write_text(manifest)
+    card = {"model_dir": str(model_dir), "model_uri": model_uri, "smoke": smoke,
+            "serve_locally": f"eightfold serve {model_dir}", "kubernetes": "kubectl apply -f vllm.yaml"}
+    (out / "serve.json").write_text(json.dumps(card, indent=2))
+    ctx.log_metrics({"serve/kv_blocks": float(smoke["kv_blocks"])}, None)
+    return {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],
+            "manifest": str(out / "vllm.yaml")}
