@@ -167,6 +167,21 @@ def compare(
     raise typer.Exit(compare_command(run_a, run_b, config, overrides))
 
 
+@app.command("eval")
+def eval_models(
+    models: list[str] = typer.Argument(..., help="Hugging Face checkpoint folders (export hf/ or quantized/<v>/)"),
+    tasks: Optional[str] = typer.Option(None, help="comma-separated lm-eval task names (default: the offline suite)"),
+    limit: Optional[int] = typer.Option(None, help="examples per task"),
+    data: Optional[str] = typer.Option(None, "--data", help="a data-stage output folder (held-out text tasks)"),
+    backend: str = typer.Option("engine", help="engine (our serving engine) or hf (transformers reference)"),
+    out: str = typer.Option("eval-out", help="where evaluation.md/.json go"),
+) -> None:
+    """lm-evaluation-harness on model folders through the serving engine, outside the lifecycle."""
+    from stages.evaluate.command import evaluate_command
+
+    raise typer.Exit(evaluate_command(models, tasks.split(",") if tasks else None, limit, data, backend, out))
+
+
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 

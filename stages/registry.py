@@ -89,6 +89,13 @@ STAGES: dict[str, StageSpec] = {
             lambda c: {"model": _dump(c.model), "export": _dump(c.export)},
             lifecycle_stage="export",
         ),
+        StageSpec(
+            "evaluate",
+            "stages.evaluate.stage:run",
+            ("export", "data"),
+            lambda c: {"evaluate": _dump(c.evaluate)},
+            lifecycle_stage="evaluate",
+        ),
         StageSpec("serve", "stages.serve.stage:run", ("export",), lambda c: {}, lifecycle_stage="serve"),
     ]
 }

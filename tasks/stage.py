@@ -176,8 +176,13 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
         url = f"{ws.tracking_uri.rstrip('/')}/#/experiments/runs/{run_id}"
     elif run_id:
         url = f"run `{run_id}` in `{ws.tracking_uri}`"
+    markdown = _markdown(ref.stage, art, ref.summary or {}, url, ref.cached)
+    # A stage's own top-level markdown (data card, size table, evaluation table) goes in too.
+    for name, meta in sorted(art.manifest.get("files", {}).items()):
+        if "/" not in name and name.endswith(".md") and int(meta["size"]) <= 32_000:
+            markdown += f"\n\n### {name}\n\n" + art.store.get_bytes(art.key(name)).decode("utf-8", "replace")
     create_markdown_artifact(
-        markdown=_markdown(ref.stage, art, ref.summary or {}, url, ref.cached),
+        markdown=markdown,
         key=f"{cfg.name}-{ref.stage}".lower().replace("_", "-"),
         description=f"{ref.stage} artifact {ref.fingerprint}",
     )
