@@ -84,7 +84,15 @@ class EvaluateConfig(Section):
     device: str = Field("auto", description="auto (cuda when available, else cpu), cpu or cuda")
     kv_cache_memory_gb: float = Field(0.25, gt=0, description="engine KV cache budget")
     seed: int = Field(1234, description="seed of the verifiable task family's held-out examples")
-    heldout_examples: int = Field(200, ge=1, description="held-out examples per verifiable task kind")
+    heldout_examples: int = Field(200, ge=1, description="held-out examples per verifiable task kind (at most)")
+    arithmetic_max_operand: int | None = Field(
+        None, ge=1, le=9999,
+        description="None: multi-digit arithmetic; N: a OP b with operands 0..N, the small set post-train trains on",
+    )
+    arithmetic_ops: str = Field("+-*", pattern=r"^[+\-*]+$", description="operators of the arithmetic problems")
+    apply_chat_template: bool = Field(
+        False, description="render every prompt with the tokenizer's chat template (lm-eval's option; post-trained chat models)"
+    )
     mc_choices: int = Field(4, ge=2, le=10, description="choices per multiple-choice question (one right)")
     ppl_max_docs: int = Field(40, ge=1, description="validation documents scored for held-out perplexity")
     ppl_max_chars: int = Field(3000, ge=100, description="each validation document is cut to this many characters")

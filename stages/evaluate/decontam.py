@@ -15,15 +15,18 @@ from __future__ import annotations
 from infra.config import LifecycleConfig
 from infra.config.evaluate import EvaluateConfig
 
-from .task_family import KINDS, make_split
+from .task_family import KINDS
 
 PROVIDER = "evaluate-task-family"
 
 
 def eval_texts(cfg: LifecycleConfig | None) -> list[str]:
     """The held-out task family texts the evaluate stage will score, for this config."""
+    from .suite import family_rows
+
     ecfg = getattr(cfg, "evaluate", None) or EvaluateConfig()
-    return [e.text for kind in KINDS for e in make_split(kind, "heldout", ecfg.heldout_examples, ecfg.seed)]
+    rows = family_rows(ecfg)
+    return [r["prompt"] + r["completion"] for kind in KINDS for r in rows[kind]]
 
 
 def register() -> None:

@@ -96,6 +96,13 @@ class EightfoldLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "eightfold")).replace("/", "__")
 
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt as the tokenizer's chat template renders it (lm-eval's --apply_chat_template)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.pretrained}: the tokenizer has no chat template (evaluate.apply_chat_template)")
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token

@@ -121,7 +121,8 @@ def evaluate_model(model: Any, tasks: list[str], task_manager, cfg: EvaluateConf
     offline_env()
     return lm_eval.simple_evaluate(
         model=model, model_args=model_args, tasks=tasks, task_manager=task_manager, limit=cfg.limit,
-        bootstrap_iters=cfg.bootstrap_iters, log_samples=True, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+        bootstrap_iters=cfg.bootstrap_iters, log_samples=True, apply_chat_template=cfg.apply_chat_template,
+        random_seed=cfg.seed, numpy_random_seed=cfg.seed,
         torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
     )
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator
 
 from infra.config.evaluate import SUITE_TASKS, EvaluateConfig
 
-from .task_family import make_split, multiple_choice
+from .task_family import make_split, multiple_choice, small_arithmetic
 
 TEMPLATES = Path(__file__).parent / "tasks"
 
@@ -119,7 +119,12 @@ def python_functions(texts: Iterable[str], max_functions: int, max_body_chars: i
 
 def family_rows(cfg: EvaluateConfig) -> dict[str, list[dict]]:
     """The task family's held-out examples as the suite's rows."""
-    arith = make_split("arithmetic", "heldout", cfg.heldout_examples, cfg.seed)
+    if cfg.arithmetic_max_operand is None:
+        arith = make_split("arithmetic", "heldout", cfg.heldout_examples, cfg.seed)
+    else:  # the small set: all of its held-out problems, up to heldout_examples
+        available = len(small_arithmetic("heldout", cfg.arithmetic_max_operand, cfg.arithmetic_ops))
+        arith = make_split("arithmetic", "heldout", min(cfg.heldout_examples, available), cfg.seed,
+                           max_operand=cfg.arithmetic_max_operand, ops=cfg.arithmetic_ops)
     pyexpr = make_split("python_expr", "heldout", cfg.heldout_examples, cfg.seed)
     mc = []
     for e in arith:

@@ -133,14 +133,42 @@ def make_example(kind: str, question: str, answer: str) -> Example:
     return Example(kind, question, prompt(question), answer, delimiter)
 
 
-def make_split(kind: str, split: str, n: int, seed: int = 0) -> list[Example]:
-    """`n` distinct problems of one kind from one split, deterministic in (kind, split, n, seed)."""
+def small_arithmetic(split: str, max_operand: int, ops: str = "+-*") -> list[Example]:
+    """Every a OP b with a, b in 0..max_operand of one split, in a fixed order: the small problem set a
+    tiny model can learn in post-training (the same questions, split and answers as post-train's data)."""
+    bad = sorted(set(ops) - set("+-*"))
+    if bad or not ops:
+        raise ValueError(f"ops={ops!r}: use a non-empty subset of '+-*'")
+    out = []
+    for op in ops:
+        for a in range(max_operand + 1):
+            for b in range(max_operand + 1):
+                question = f"{a} {op} {b}"
+                if split_of("arithmetic", question) == split:
+                    out.append(make_example("arithmetic", question, str({"+": a + b, "-": a - b, "*": a * b}[op])))
+    return out
+
+
+def make_split(kind: str, split: str, n: int, seed: int = 0, *, max_operand: int | None = None,
+               ops: str = "+-*") -> list[Example]:
+    """`n` distinct problems of one kind from one split, deterministic in (kind, split, n, seed).
+    Arithmetic with `max_operand` draws from the small set of `small_arithmetic` instead of multi-digit
+    problems (an error names how many exist when fewer than n do)."""
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if max_operand is not None:
+        if kind != "arithmetic":
+            raise ValueError(f"max_operand applies to arithmetic, not {kind!r}")
+        pool = small_arithmetic(split, max_operand, ops)
+        if n > len(pool):
+            raise ValueError(f"only {len(pool)} {split} arithmetic problems with operands 0..{max_operand} and "
+                             f"ops {ops!r}; asked for {n}")
+        random.Random(f"{kind}/{split}/{seed}/{max_operand}/{ops}").shuffle(pool)
+        return pool[:n]
     gen, _, _ = _GENERATORS[kind]
     rng = random.Random(f"{kind}/{split}/{seed}")
     out: list[Example] = []
