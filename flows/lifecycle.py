@@ -14,6 +14,7 @@ from infra.config import load_config
 from infra.tracking import Tracker, flatten_params
 from infra.workspace import Workspace
 from stages.registry import STAGES, downstream, stage_order
+from tasks.ablations import log_prediction  # also installs the Prefect proxy runner for the ablations stage
 from tasks.health import health_task
 from tasks.stage import ArtifactRef, resolve_upstream, submit_stage
 
@@ -54,6 +55,8 @@ def lifecycle(
             # Which artifact each stage used, cached or not: what `eightfold compare` and the report read.
             tracker.set_tags(parent, {f"stage.{stage}.fingerprint": refs[stage].fingerprint,
                                       f"stage.{stage}.status": "cached" if refs[stage].cached else "ran"})
+            if stage == "pretrain":
+                log_prediction(tracker, parent, refs[stage].summary)  # predicted vs actual final val loss
         tracker.end_run(parent)
     except BaseException:
         tracker.end_run(parent, status="FAILED")

@@ -64,11 +64,14 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
+    from stages.ablations.choice import adopt_choice, compare_prediction
     from trainer.model import param_counts
 
+    ctx, predicted = adopt_choice(ctx)  # the ablations' lr and batch size, unless pinned
     counts = param_counts(ctx.cfg.model)
     ctx.log_params({"params_total": counts["total"], "params_active": counts["active"]})
     spec = job_spec(ctx)
     result = launch_and_wait(ctx, spec)
-    summary: dict[str, Any] = {"steps": result.steps, "params": counts["total"], **result.metrics}
+    summary: dict[str, Any] = {"steps": result.steps, "params": counts["total"], **result.metrics, **predicted}
+    summary.update(compare_prediction(summary))
     return summary

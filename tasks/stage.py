@@ -129,8 +129,11 @@ def execute_stage(
     run_id = tracker.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp})
     tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
     out_dir = ws.workdir / "staging" / stage / fp
-    shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
-    out_dir.mkdir(parents=True)
+    if not spec.trains:
+        shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
+    # A training stage keeps its folder across attempts: the job resumes from its latest committed
+    # checkpoint there (same fingerprint, same config), which is what a task retry is for.
+    out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
         cfg=cfg,
         workspace=ws,

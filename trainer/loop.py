@@ -30,15 +30,19 @@ from infra.config.train import TrainConfig
 from infra.launch.base import endpoint_for, write_result
 from infra.launch.job import JobResult, JobSpec
 
-from .data import MicroBatch, PackedLoader, validation_batches
+from .data import MicroBatch, PackedLoader, split_rows, validation_batches
 from .job_io import OutputFolder, fetch_input
 from .loss import IGNORE_INDEX, TokenLoss, cross_entropy_sum, moe_aux_loss, moe_layers
 from .metrics import MetricsSink, flops_per_token, measure_peak_flops, peak_memory_gb
 from .model import Transformer
 from .model.moe import imbalance
-from .optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from .optim import clip_grad_norm, lr_at, set_lr
 from .parallel import ParallelDims, build_parallel_dims, parallelize
+from .parallel.comm_accounting import StepComm
+from .parallel.fsdp import skip_grad_sync
 from .parallel.mesh import pick_device
+from .parallel.zero1 import DistributedOptimizer, build_parallel_optimizer
+from .recovery import Recovery, attempt_store
 
 
 class Objective(Protocol):
@@ -92,6 +96,7 @@ class StepResult:
     z_loss: float = 0.0
     aux_loss: float = 0.0
     moe: dict[str, float] = field(default_factory=dict)
+    applied: bool = True  # False when the spike guard skipped the optimizer step (trainer.recovery)
 
 
 def train_step(
@@ -103,8 +108,14 @@ def train_step(
     step: int,
     device: torch.device,
     dp_group=None,
+    before_update=None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
+    if getattr(unwrap(model), "pipeline", None) is not None:  # pipeline parallel: the schedule runs the passes
+        from .parallel.pipeline import pipeline_train_step
+
+        return pipeline_train_step(unwrap(model), optimizer, micro_batches, objective, cfg, step, device, dp_group,
+                                   before_update)
     model.train()
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     n_micro = len(micro_batches)
@@ -122,7 +133,7 @@ def train_step(
     sums = torch.zeros(3, device=device)  # ce, z, aux
     for i, mb in enumerate(micro_batches):
         last = i == n_micro - 1
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        sync = contextlib.nullcontext() if last else skip_grad_sync(model)  # DDP no_sync / FSDP2
         with sync:
             with autocast_for(cfg.precision, device):
                 part = objective.loss(model, mb, device)
@@ -136,8 +147,16 @@ def train_step(
         for j, m in enumerate(moes):
             loads[j] += m.tokens_per_expert.float()
             dropped[j] += m.dropped_fraction / n_micro
-    grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-    optimizer.step()
+    if isinstance(optimizer, DistributedOptimizer):  # ZeRO-1: reduce-scatter, then the norm over shards
+        grad_norm = optimizer.clip_grad_norm(cfg.grad_clip)
+    else:
+        norm_plan = getattr(inner, "grad_norm_plan", None)  # set when a rank holds part of the parameters (EP)
+        grad_norm = (clip_grad_norm(model.parameters(), cfg.grad_clip) if norm_plan is None
+                     else norm_plan.clip(model.parameters(), cfg.grad_clip))
+    # before_update(ce_sum, tokens, grad_norm) -> bool: the spike guard may skip this update.
+    applied = before_update is None or before_update(sums[0], tokens, grad_norm)
+    if applied:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
     if dp_group is not None:  # one all-reduce for the logged sums and every MoE layer's load
@@ -163,6 +182,7 @@ def train_step(
         z_loss=float(sums[1]) / max(total_tokens, 1.0),
         aux_loss=float(sums[2]) / dp_size,
         moe=moe_stats,
+        applied=applied,
     )
 
 
@@ -170,6 +190,10 @@ def train_step(
 def evaluate(model: nn.Module, batches: list[MicroBatch], objective: Objective, precision: str,
              device: torch.device, dp_group=None) -> float:
     """Token-weighted mean validation cross-entropy over every rank's batches."""
+    if getattr(unwrap(model), "pipeline", None) is not None:
+        from .parallel.pipeline import pipeline_evaluate
+
+        return pipeline_evaluate(unwrap(model), batches, objective, device, precision)
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, device=device)
@@ -221,13 +245,20 @@ class Trainer:
             if (tokens_dir / "val").is_dir() else []
         )
         self.model = parallelize(build_model(self.cfg, self.device, self.seed), self.dims, self.cfg.parallel, t)
-        self.optimizer = build_optimizer(unwrap(self.model), t)
+        self.optimizer = build_parallel_optimizer(unwrap(self.model), self.dims, self.cfg.parallel, t)
+        self.comm = StepComm(self.dims, enabled=not t.compile)
         self.objective = LanguageModelling(z_loss=self.cfg.model.z_loss)
+        if self.dims.cp > 1:  # each rank its zigzag share of every sequence; tokens agreed over dp x cp
+            from .parallel.context_parallel import context_parallel_setup
+
+            self.dp_group, self.objective = context_parallel_setup(self.dims, self.objective)
         self.output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec))
         self.step = 0
         self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
         dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
         self.peak_flops = t.peak_flops or measure_peak_flops(self.device, dtype)
+        # Pre-flight, checkpoints (resume: latest), spike guard, faults: trainer/recovery.py
+        self.recovery = Recovery(self)
 
     def run(self) -> JobResult:
         t = self.train_cfg
@@ -235,15 +266,19 @@ class Trainer:
                            total_steps=t.steps, enabled=self.rank == 0)
         sink.log_params({"flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                          "world_size": self.dims.world_size})
+        if self.rank == 0:
+            sink.log_params(self._estimate_vs_measured())
         speeds: list[float] = []
         last: dict[str, float] = {}
         status, message = "completed", ""
         try:
             while self.step < t.steps:
-                micro = self.loader.next_step()
+                micro = self.recovery.next_batch()
                 t0 = time.perf_counter()
-                res = train_step(self.model, self.optimizer, micro, self.objective, t, self.step, self.device,
-                                 self.dp_group)
+                with self.comm.count():  # collectives per mesh dimension (parallel/comm_accounting.py)
+                    res = train_step(self.model, self.optimizer, micro, self.objective, t, self.step, self.device,
+                                     self.dp_group,
+                                     before_update=self.recovery.before_update if t.spike.enabled else None)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.perf_counter() - t0
@@ -255,14 +290,21 @@ class Trainer:
                     "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr, "tokens_per_s": tokens_per_s,
                     "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
                     "peak_memory_gb": peak_memory_gb(self.device), "epoch": self.loader.epoch, **res.moe,
+                    **self.comm.metrics,
                 }
                 if self.cfg.model.z_loss > 0:
                     last["z_loss"] = res.z_loss
                 if res.moe:
                     last["aux_loss"] = res.aux_loss
-                if not math.isfinite(res.loss):
+                if not math.isfinite(res.loss) and res.applied:
                     status, message = "diverged", f"loss is {res.loss} at step {self.step}"
                     break
+                verdict = self.recovery.after_step(res, sink)
+                if verdict == "diverged":
+                    status, message = "diverged", self.recovery.message
+                    break
+                if verdict == "rolled_back":
+                    continue
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     sink.log(last, self.step)
                 if self.val_batches and t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
@@ -271,12 +313,30 @@ class Trainer:
             if status == "completed" and self.val_batches:
                 last["val_loss"] = self._evaluate()
                 sink.log({"val_loss": last["val_loss"]}, self.step)
+            checkpoint = self.recovery.finish(status)
+            last.update(self.recovery.metrics())
         finally:
             sink.close()
+            self.recovery.close()
         if speeds:
             last["tokens_per_s"] = statistics.median(speeds)
             last["mfu"] = self.flops_per_token * last["tokens_per_s"] / (self.peak_flops * self.dims.world_size)
-        return JobResult(status=status, steps=self.step, metrics=last, message=message)
+        return JobResult(status=status, steps=self.step, metrics=last, message=message, checkpoint=checkpoint)
+
+    def _estimate_vs_measured(self) -> dict[str, float]:
+        """The estimator's figures (trainer/estimate) next to what torch's FLOP counter measures on this
+        model, so MLflow shows them side by side. Counted on one process only: a counting backward
+        under DDP/FSDP would fire gradient collectives on this rank alone."""
+        from .estimate import count_model_flops
+        from .estimate.run import estimate_run, tracking_params
+
+        figures = tracking_params(estimate_run(self.cfg))
+        if self.dims.world_size == 1:
+            ids = self.loader.step_rows(self.loader.next_sample)  # the next step's rows, not consumed
+            b = self.train_cfg.micro_batch_size
+            micro = count_model_flops(unwrap(self.model), split_rows(self.loader.shards, ids[:b]))
+            figures["measured.flops_per_step"] = float(micro * (len(ids) // b))
+        return figures
 
     def _evaluate(self) -> float:
         return evaluate(self.model, self.val_batches, self.objective, self.train_cfg.precision, self.device,
@@ -290,7 +350,12 @@ def init_distributed(cfg: LifecycleConfig) -> None:
     device, backend = pick_device(cfg.parallel.backend, cfg.infra.device)
     default_timeout = 600 if device.type == "cuda" else 60
     timeout = timedelta(seconds=cfg.parallel.collective_timeout_s or default_timeout)
-    dist.init_process_group(backend=backend, timeout=timeout)
+    store = attempt_store(max(timeout, timedelta(seconds=60)))  # torchrun restarts: per-attempt keys
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def finish(spec: JobSpec, output: OutputFolder, result: JobResult) -> None:
@@ -308,7 +373,12 @@ def run_job(job_file: str) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec)) if rank == 0 else None
     try:
-        result = Trainer(spec).run()
+        if spec.section.startswith("posttrain."):  # SFT / DPO / GRPO objectives: trainer/posttrain_job.py
+            from .posttrain_job import PosttrainJob
+
+            result = PosttrainJob(spec).run()
+        else:
+            result = Trainer(spec).run()
     except Exception as exc:  # result.json says why, then the launcher sees a non-zero exit
         traceback.print_exc()
         if output is not None:

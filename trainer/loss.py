@@ -35,7 +35,15 @@ def cross_entropy_sum(
     """logits [B, S, V] (any float dtype; computed in fp32), targets [B, S] -> summed losses.
 
     z-loss (PaLM): z_loss * log(Z)^2 per token, pulling the softmax normaliser towards 1 so logits
-    cannot drift (seed: a stabiliser against loss spikes)."""
+    cannot drift (seed: a stabiliser against loss spikes).
+
+    Logits that are a DTensor split over the vocabulary (tensor parallel) go to the vocab-parallel
+    version, so the full logits are never gathered."""
+    if getattr(logits, "placements", None) is not None:
+        from .parallel import vocab_parallel
+
+        if vocab_parallel.is_vocab_sharded(logits):
+            return vocab_parallel.cross_entropy_sum(logits, targets, z_loss, ignore_index)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     target = targets.reshape(-1)
     ce_sum = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction="sum")

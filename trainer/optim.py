@@ -80,4 +80,18 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     above it (0 disables clipping but still measures)."""
     params = [p for p in params if p.grad is not None]
     limit = max_norm if max_norm > 0 else float("inf")
+    if any(hasattr(p.grad, "placements") for p in params):
+        # DTensor gradients (tensor parallel, FSDP): the norm of sharded pieces is a partial result
+        # until reduced, so take the full value first, then scale (TorchTitan's clip_grad_norm_).
+        # Bring each gradient to its parameter's layout once, here, rather than in every later use: a
+        # replicated weight used on sharded inputs (norm gains under sequence parallel) gets a Partial
+        # gradient (an all-reduce), the row-split embedding a replicated one (a local slice).
+        for p in params:
+            if tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, limit, norm, foreach=True)
+        return norm
     return torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)

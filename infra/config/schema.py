@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from .ablations import AblationsConfig
 from .base import Section
 from .data import DataConfig, TokenizerConfig
 from .estimate import EstimateConfig
@@ -12,6 +13,7 @@ from .export import ExportConfig
 from .infra import InfraConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
+from .posttrain import PosttrainConfig
 from .train import TrainConfig
 
 STAGES = ("data", "tokenizer", "ablations", "pretrain", "posttrain", "export", "evaluate", "serve")
@@ -24,9 +26,11 @@ class LifecycleConfig(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    ablations: AblationsConfig = Field(default_factory=AblationsConfig)
     pretrain: TrainConfig = Field(default_factory=TrainConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
     estimate: EstimateConfig = Field(default_factory=EstimateConfig)
+    posttrain: PosttrainConfig = Field(default_factory=PosttrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
 
@@ -35,10 +39,10 @@ class LifecycleConfig(Section):
         m, p, t = self.model, self.parallel, self.pretrain
         if m.n_heads % p.tp:
             raise ValueError(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}")
-        if m.kv_heads % p.tp and p.tp % m.kv_heads:
+        if m.kv_heads % p.tp:
             raise ValueError(
-                f"model.n_kv_heads={m.kv_heads} and parallel.tp={p.tp}: one must divide the other "
-                "(fewer KV heads than tp ranks are replicated)"
+                f"model.n_kv_heads={m.kv_heads} is not divisible by parallel.tp={p.tp}: each tensor-parallel "
+                "rank needs whole KV heads (replicating KV heads across tp ranks is not built)"
             )
         if m.vocab_size % p.tp:
             raise ValueError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp} (vocab-parallel)")

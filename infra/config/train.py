@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .base import Section
+from .faults import FaultsConfig
 
 
 class CheckpointConfig(Section):
@@ -55,6 +56,8 @@ class TrainConfig(Section):
     seed: int | None = Field(None, description="default: the lifecycle seed")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     spike: SpikeConfig = Field(default_factory=SpikeConfig)
+    max_restarts: int = Field(0, ge=0, description="torchrun restarts of a failed job, each from the latest checkpoint")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="fault injection (tests, drills); off")
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainConfig":

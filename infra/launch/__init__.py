@@ -21,6 +21,7 @@ def get_launcher(cfg: "LifecycleConfig", module: str = "trainer", echo: bool = F
             cfg.parallel.nproc_per_node,
             cfg.parallel.nnodes,
             module=module,
+            max_restarts=cfg.pretrain.max_restarts,  # each restart resumes from the latest checkpoint
             env={"EIGHTFOLD_DEVICE": cfg.infra.device},
             echo=echo,
         )

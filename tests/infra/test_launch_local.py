@@ -113,8 +113,9 @@ def test_get_launcher_from_config():
         "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
         "--nproc-per-node", "2", "--max-restarts", "0", "-m", "trainer", "job.yaml",
     ]  # fmt: skip
-    with pytest.raises(NotImplementedError, match="slurm launcher is not built yet"):
-        get_launcher(load_config("tiny", ["infra.launcher=slurm"]))
+    from infra.launch.slurm import SlurmLauncher
+
+    assert isinstance(get_launcher(load_config("tiny", ["infra.launcher=slurm"])), SlurmLauncher)
 
 
 def test_two_local_nodes_static_rendezvous(tmp_path):

@@ -64,8 +64,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v; q [B, H, S, d], k/v [B, K, S, d] -> [B, H, S, d].
+    enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads (K KV heads shared by H/K query heads each)."""
+    """Causal self-attention with grouped-query heads (K KV heads shared by H/K query heads each).
+
+    `attention_fn` is the score-softmax-value step alone; code outside the model may replace it on an
+    instance (context parallel swaps in ring or Ulysses attention) without touching the projections."""
+
+    attention_fn = staticmethod(causal_attention)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -88,8 +99,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        y = self.attention_fn(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, D]
 
 
@@ -152,7 +162,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # [B, S, D]
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            positions = torch.arange(tokens.shape[1], device=h.device)  # h may be a sequence shard (SP)
         cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
         dtype = compute_dtype(h)
         cos, sin = cos.to(dtype), sin.to(dtype)  # once here rather than per layer and per q/k

@@ -1,8 +1,10 @@
 """Parallelism applied to the model from outside, one file per technique (TorchTitan's discipline):
 `mesh.py` builds the one DeviceMesh every process group comes from; `ddp.py` replicates the model
 with bucketed, overlapped gradient all-reduce; `activation_checkpoint.py` and `compile.py` wrap
-blocks in place. `parallelize()` composes them in a fixed order; later layouts (TP, FSDP, PP) slot
-into that order without touching the model."""
+blocks in place; `tensor_parallel.py` (+ `vocab_parallel.py`) applies DTensor TP/SP plans,
+`fsdp.py` ZeRO-2/3 and HSDP, `zero1.py` the distributed optimizer, `comm_accounting.py` counts
+collectives per mesh dimension. `parallelize()` composes them in a fixed order without touching the
+model."""
 
 from __future__ import annotations
 
@@ -13,24 +15,41 @@ from infra.config.train import TrainConfig
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
+from .context_parallel import apply_context_parallel, data_context_group
 from .ddp import apply_ddp
+from .expert_parallel import apply_expert_parallel
+from .fsdp import apply_fsdp
+from .layouts import check_supported
 from .mesh import ParallelDims, build_parallel_dims
+from .pipeline import apply_pipeline
+from .tensor_parallel import apply_tensor_parallel
 
 __all__ = ["ParallelDims", "build_parallel_dims", "parallelize"]
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig) -> nn.Module:
-    """Apply, in this order: tensor parallel (issue: TP), activation checkpointing, torch.compile per
-    block, then data parallel (DDP here; ZeRO/FSDP later). Returns the module to train (the DDP
-    wrapper, or `model` itself on one data-parallel rank)."""
-    if parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1 or parallel.ep > 1 or parallel.zero > 0:
-        raise NotImplementedError(
-            f"parallel layout tp={parallel.tp} pp={parallel.pp} cp={parallel.cp} ep={parallel.ep} "
-            f"zero={parallel.zero} is not available yet in this trainer (only dp with zero=0)"
-        )
+    """Apply, in this order: tensor parallel (+ sequence, vocab parallel), activation checkpointing,
+    torch.compile per block, then data parallel: FSDP2 for ZeRO-2/3 and HSDP (in place), DDP for
+    zero=0; ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). Returns the module to train
+    (the DDP wrapper, or `model` itself)."""
+    check_supported(parallel)
+    if parallel.tp > 1:  # tensor (+ sequence, vocab) parallel: tensor_parallel.py
+        apply_tensor_parallel(model, dims, parallel.sequence_parallel)
     apply_activation_checkpointing(model, train.activation_checkpointing)
     if train.compile:
         apply_compile(model)
-    if dims.dp > 1:
-        model = apply_ddp(model, dims, bucket_mb=parallel.bucket_mb)
+    # Pipeline, context and expert parallel (pipeline.py, context_parallel.py, expert_parallel.py).
+    data_group = data_context_group(dims)  # dp x cp: same weights, different tokens
+    experts = apply_expert_parallel(model, dims, parallel.ep, data_group) if parallel.ep > 1 else []
+    if parallel.pp > 1:
+        micro = train.global_batch_size // (train.micro_batch_size * dims.dp)
+        model = apply_pipeline(model, dims, parallel, train, data_group, micro)
+        model.pipeline.skip_sync = {id(p) for n, p in model.named_parameters() if n in set(experts)}
+    if parallel.cp > 1:
+        parts = model.pipeline.parts if parallel.pp > 1 else [model]
+        apply_context_parallel(model, dims.group("cp"), parallel.cp_impl, hook_targets=parts)
+    if parallel.zero >= 2 and dims.dp_shard > 1:  # ZeRO-2/3 and HSDP: fsdp.py (ZeRO-1 is the optimizer: zero1.py)
+        model = apply_fsdp(model, dims, parallel.zero, train.precision)
+    elif parallel.pp == 1 and data_group is not None and parallel.zero == 0:
+        model = apply_ddp(model, dims, bucket_mb=parallel.bucket_mb, group=data_group, ignore=experts)
     return model

@@ -14,7 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 from .mesh import ParallelDims
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float) -> DistributedDataParallel:
+def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float, group=None,
+              ignore: list[str] = ()) -> DistributedDataParallel:
+    """DDP over `group` (default: the dp group; context parallel passes dp x cp), leaving the
+    parameters named in `ignore` (expert-parallel experts) out of the all-reduce."""
     device_ids = None
     if dims.device_type == "cuda":
         device_ids = [next(model.parameters()).device.index]
@@ -23,9 +26,11 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float) -> Distrib
     kwargs = {"forward_sync_buffers": False}
     if "forward_sync_buffers" not in inspect.signature(DistributedDataParallel.__init__).parameters:
         kwargs = {"broadcast_buffers": False}  # older torch
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     return DistributedDataParallel(
         model,
-        process_group=dims.group("dp"),
+        process_group=group if group is not None else dims.group("dp"),
         device_ids=device_ids,
         bucket_cap_mb=bucket_mb,
         gradient_as_bucket_view=True,

@@ -59,6 +59,29 @@ class ParallelDims:
                 self._groups[name] = self.mesh[name].get_group()
         return self._groups[name]
 
+    def submesh(self, *names: str):
+        """The DeviceMesh over `names` (each larger than 1), e.g. submesh("dp_replicate", "dp_shard")
+        for HSDP or submesh("tp") for tensor parallel; None on one process."""
+        if self.mesh is None:
+            return None
+        missing = [n for n in names if n not in self.mesh.mesh_dim_names]
+        if missing:
+            raise KeyError(f"mesh dimension(s) {missing} are not in the mesh {self.mesh.mesh_dim_names} (size 1?)")
+        return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    def group_names(self) -> dict[str, str]:
+        """Process-group name -> dimension name for every dimension larger than 1 (for accounting).
+        "dp" wins when it is the same group as dp_replicate or dp_shard."""
+        names = {}
+        if self.mesh is not None:  # the groups DTensor uses for each dimension of the whole mesh
+            for name in self.mesh.mesh_dim_names:
+                names[self.mesh.get_group(name).group_name] = name
+        for name in ORDER + ("dp",):
+            group = self.group(name) if name != "ep" else None
+            if group is not None:
+                names[group.group_name] = name
+        return names
+
     def rank(self, name: str) -> int:
         """This process's coordinate along `name` (0 when the dimension is off)."""
         group = self.group(name)

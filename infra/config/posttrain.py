@@ -1,0 +1,127 @@
+"""`posttrain:` the seed's post-training chapter as three sub-steps, SFT -> DPO -> GRPO, each with its own
+training settings (a TrainConfig with post-training defaults), optional LoRA, and the verifiable task
+whose held-out accuracy is reported before and after every step.
+
+The tiny defaults are sized so the three steps take a few minutes on 2 CPU cores."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import Section
+from .train import TrainConfig
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters (Hu et al. 2021): W x + (alpha / r) * B A x, with A [r, in] and B [out, r]."""
+
+    enabled: bool = False
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: float = Field(16.0, gt=0, description="scale numerator: the update is (alpha / r) * B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="linear layers (by their last name) that get adapters: q_proj k_proj v_proj o_proj "
+                    "gate_proj up_proj down_proj",
+    )
+
+    @model_validator(mode="after")
+    def _targets(self) -> "LoRAConfig":
+        known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        bad = sorted(set(self.target_modules) - known)
+        if bad or not self.target_modules:
+            raise ValueError(f"lora.target_modules={self.target_modules}: unknown {bad}; allowed {sorted(known)}")
+        return self
+
+
+class TaskConfig(Section):
+    """The verifiable task (stages/evaluate/task_family.py's arithmetic prompts, split and checker) at a
+    difficulty a tiny model can move on: a OP b with operands 0..max_operand."""
+
+    max_operand: int = Field(14, ge=1, le=9999, description="operands are drawn from 0..max_operand")
+    ops: str = Field("+", pattern=r"^[+\-*]+$", description="operators to draw from (+, -, *)")
+    heldout_size: int = Field(64, ge=1, description="held-out problems scored before/after every step")
+    max_new_tokens: int = Field(6, ge=1, description="generation budget of an answer")
+
+
+class PosttrainStepConfig(TrainConfig):
+    """Training settings of one sub-step (TrainConfig with post-training defaults) plus its data."""
+
+    enabled: bool = True
+    steps: int = Field(60, ge=1, description="optimizer steps")
+    seq_len: int = Field(64, ge=8, description="tokens per packed row")
+    micro_batch_size: int = Field(16, ge=1)
+    global_batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(5, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    data: str | None = Field(None, description="user jsonl (same shapes as the built-in data); None = built in")
+    num_examples: int = Field(2000, ge=1, description="built-in examples drawn from the task's train split")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+
+
+class SFTConfig(PosttrainStepConfig):
+    """Supervised fine-tuning: loss only on the assistant's tokens (seed: "The loss is computed only on
+    response tokens"). Rows are `messages` lists (rendered by the tokenizer's chat template) or
+    prompt/completion pairs."""
+
+    steps: int = Field(150, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    num_examples: int = Field(4000, ge=1)
+    pack: bool = Field(True, description="pack several conversations per row (the loss mask survives)")
+
+
+class DPOConfig(PosttrainStepConfig):
+    """Direct Preference Optimization (Rafailov et al. 2023) on chosen/rejected pairs against a frozen
+    reference (the model the step starts from)."""
+
+    steps: int = Field(60, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    beta: float = Field(0.1, gt=0, description="strength of the implicit KL to the reference")
+    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo (Azar et al. 2023)")
+    preference_pairs: int = Field(256, ge=1, description="held-out pairs (each problem against its near misses) on "
+                                  "which preference accuracy is measured")
+
+
+class GRPOConfig(PosttrainStepConfig):
+    """Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath) with a verifiable reward."""
+
+    steps: int = Field(30, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "constant"
+    prompts_per_step: int = Field(16, ge=1, description="prompts whose groups make one optimizer step")
+    group_size: int = Field(8, ge=2, description="G: samples per prompt")
+    micro_batch_size: int = Field(64, ge=1, description="completions per micro-batch")
+    global_batch_size: int = Field(128, ge=1, description="completions per step (prompts_per_step * group_size)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts; the ratio's old "
+                               "log-probs are the engine's raw (temperature-1) ones, exact at the default 1.0")
+    max_new_tokens: int = Field(6, ge=1)
+    epsilon: float = Field(0.2, gt=0, description="clip range below 1 (and above, unless epsilon_high)")
+    epsilon_high: float | None = Field(None, gt=0, description="clip range above 1 (DAPO's clip-higher)")
+    beta: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient (k3 estimator)")
+    async_rollouts: bool = Field(False, description="generate step t+1's rollouts with the weights of step t-1 "
+                                                    "while step t trains (one-step-stale, seed: asynchronous RL)")
+    engine: str = Field("stages.posttrain.rollout:ServingEngineRollouts",
+                        description="module:factory of the rollout engine the trainer process builds")
+    reward: str = Field("stages.evaluate.task_family:check", description="module:function(answer, expected) -> bool")
+
+    @model_validator(mode="after")
+    def _groups(self) -> "GRPOConfig":
+        if self.global_batch_size != self.prompts_per_step * self.group_size:
+            raise ValueError(f"grpo.global_batch_size={self.global_batch_size} must equal prompts_per_step * "
+                             f"group_size = {self.prompts_per_step} * {self.group_size}")
+        return self
+
+
+class PosttrainConfig(Section):
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)

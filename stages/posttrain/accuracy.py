@@ -1,0 +1,58 @@
+"""The two measurements every post-training step reports: held-out accuracy on the verifiable task
+(greedy answers from the serving engine, judged by the task family's exact checker) and preference
+accuracy (how often the model gives the right answer a higher log-likelihood than a near miss)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from infra.config.model import ModelConfig
+from infra.config.posttrain import TaskConfig
+from stages.evaluate.task_family import check
+from trainer import posttrain_data as pdata
+from trainer.objectives.dpo import sequence_logps
+from trainer.posttrain_job import stop_token_ids
+
+from .data import heldout, user
+from .rollout import ServingEngineRollouts
+
+
+def heldout_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
+                     workdir: Path, seed: int = 0) -> dict:
+    """Greedy accuracy on the task's held-out problems (the same set for every step)."""
+    tok = pdata.load_tokenizer(tokenizer_dir)
+    problems = heldout(task, seed)
+    engine = ServingEngineRollouts(model_cfg=model_cfg, state_dict=sd, tokenizer_dir=tokenizer_dir, workdir=workdir,
+                                   stop_token_ids=stop_token_ids(tok))
+    prompts = [pdata.prompt_ids(tok, {"messages": user(e)}) for e in problems]
+    texts = engine.greedy(prompts, task.max_new_tokens)
+    correct = [check(t, e.answer) for t, e in zip(texts, problems)]
+    return {"accuracy": sum(correct) / len(correct), "n": len(correct),
+            "samples": [{"prompt": e.prompt, "expected": e.answer, "got": t} for e, t in list(zip(problems, texts))[:8]]}
+
+
+@torch.no_grad()
+def preference_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
+                        n_pairs: int, seed: int = 0) -> float:
+    """Share of held-out pairs where log p(chosen) > log p(rejected) under the model. Each held-out
+    problem gives every near miss (off by 1, 2 or 3 either way) as a rejected answer, up to n_pairs
+    pairs in a fixed order, so the measure does not hang on one random wrong answer per problem."""
+    from trainer.model import Transformer
+
+    tok = pdata.load_tokenizer(tokenizer_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rows = [{"messages": user(e), "chosen": e.answer, "rejected": str(int(e.answer) + d)}
+            for d in (1, -1, 2, -2, 3, -3) for e in heldout(task, seed)][:n_pairs]
+    pairs = [pdata.encode_pair(tok, r) for r in rows]
+    model = Transformer(model_cfg)
+    model.load_state_dict(sd)
+    model.eval()
+    wins = 0
+    for start in range(0, len(pairs), 64):
+        chunk = pairs[start:start + 64]
+        batch = pdata.pair_batch(chunk, list(range(len(chunk))), pad)
+        logps, _ = sequence_logps(model(batch.inputs), batch.targets)
+        wins += int((logps[:len(chunk)] > logps[len(chunk):]).sum())
+    return wins / len(pairs)

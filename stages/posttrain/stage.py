@@ -1,0 +1,127 @@
+"""Post-training steps as stage functions. Each step:
+  1. loads the upstream model (pretrain's checkpoint, or the previous step's model.safetensors) through
+     stages.export.merge (whatever mesh it was saved on),
+  2. scores held-out accuracy before,
+  3. writes its training data (user jsonl, or built in from the task family's train split) into
+     data/train.jsonl of its own artifact,
+  4. launches a trainer job (section posttrain.<step>) with the configured launcher, like pretrain,
+  5. scores held-out accuracy after (DPO also preference accuracy before/after) and logs all of it.
+
+Why three registry stages (posttrain-sft -> posttrain-dpo -> posttrain-grpo) rather than one stage
+with sub-steps: each step is then its own content-addressed artifact (changing GRPO's settings re-runs
+only GRPO), and `eightfold stage posttrain-grpo` runs from the latest committed DPO artifact. A step
+with `enabled: false` passes its input model through, so the chain stays the same shape. `run(ctx)`
+runs the three in sub-folders of one output (a notebook's one call)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from infra.launch import TrackingRef
+from infra.launch.job import JobSpec
+
+from ..base import StageContext
+from ..export.merge import find_checkpoint, load_full_state_dict
+from ..pretrain import launch_and_wait
+from .accuracy import heldout_accuracy, preference_accuracy
+from .data import builtin_rows, write_jsonl
+
+UPSTREAM = {"sft": "pretrain", "dpo": "posttrain-sft", "grpo": "posttrain-dpo"}
+
+
+def load_upstream(folder: Path) -> dict:
+    """The one place post-training reads a model: any checkpoint folder the export stage can read."""
+    return load_full_state_dict(find_checkpoint(folder))
+
+
+def _save(sd: dict, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _training_rows(ctx: StageContext, step: str) -> list[dict]:
+    sc = getattr(ctx.cfg.posttrain, step)
+    if sc.data:
+        from trainer.posttrain_data import read_jsonl
+
+        return read_jsonl(sc.data)
+    seed = sc.seed if sc.seed is not None else ctx.cfg.seed
+    return builtin_rows(step, ctx.cfg.posttrain.task, sc.num_examples, seed)
+
+
+def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
+    cfg, pc = ctx.cfg, ctx.cfg.posttrain
+    sc = getattr(pc, step)
+    upstream = UPSTREAM[step]
+    if upstream not in ctx.inputs or "tokenizer" not in ctx.inputs:
+        raise ValueError(f"posttrain-{step} needs inputs {upstream!r} and 'tokenizer'; got {sorted(ctx.inputs)}")
+    tok_dir = Path(ctx.inputs["tokenizer"])
+    out = Path(ctx.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = ctx.workspace.path("jobs", f"posttrain-{step}-{uuid.uuid4().hex[:8]}")
+    sd = load_upstream(Path(ctx.inputs[upstream]))
+    before = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-before", cfg.seed)
+    summary: dict[str, Any] = {"step": step, "heldout_accuracy_before": before["accuracy"], "heldout_n": before["n"]}
+    if step == "dpo":
+        summary["preference_accuracy_before"] = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs,
+                                                                    cfg.seed)
+    if not sc.enabled:
+        _save(sd, out / "model.safetensors")
+        summary.update(enabled=False, heldout_accuracy_after=before["accuracy"])
+    else:
+        data_file = write_jsonl(_training_rows(ctx, step), out / "data" / "train.jsonl")
+        base = _save(sd, scratch / "base" / "model.safetensors").parent
+        spec = JobSpec(
+            job_id=scratch.name, stage=f"posttrain/{step}", section=f"posttrain.{step}",
+            config=cfg.model_dump(mode="json"),
+            inputs={"base": str(base), "tokenizer": str(tok_dir.resolve()), "data": str(data_file.parent.resolve())},
+            output=str(out.resolve()), workdir=str(scratch),
+            tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
+            resume="none",
+        )
+        result = launch_and_wait(ctx, spec)
+        sd = load_upstream(out)
+        after = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-after", cfg.seed)
+        summary.update({"steps": result.steps, "heldout_accuracy_after": after["accuracy"], "samples_after": after["samples"],
+                        **{f"train_{k}": v for k, v in result.metrics.items()}})
+        if step == "dpo":
+            summary["preference_accuracy_after"] = preference_accuracy(sd, cfg.model, tok_dir, pc.task,
+                                                                       sc.preference_pairs, cfg.seed)
+    shutil.rmtree(scratch, ignore_errors=True)
+    (out / "posttrain.json").write_text(json.dumps(summary, indent=2))
+    ctx.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                    None)
+    return {k: v for k, v in summary.items() if k != "samples_after"}
+
+
+def run_sft(ctx: StageContext) -> dict[str, Any]:
+    return run_step(ctx, "sft")
+
+
+def run_dpo(ctx: StageContext) -> dict[str, Any]:
+    return run_step(ctx, "dpo")
+
+
+def run_grpo(ctx: StageContext) -> dict[str, Any]:
+    return run_step(ctx, "grpo")
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """All three steps in order into out_dir/{sft,dpo,grpo}/ from inputs `pretrain` and `tokenizer`; the
+    final model is also copied to out_dir/model.safetensors (what export reads)."""
+    results: dict[str, Any] = {}
+    inputs = dict(ctx.inputs)
+    for step in ("sft", "dpo", "grpo"):
+        sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=inputs)
+        results[step] = run_step(sub, step)
+        inputs = {f"posttrain-{step}": Path(ctx.out_dir) / step, "tokenizer": ctx.inputs["tokenizer"]}
+    shutil.copy2(Path(ctx.out_dir) / "grpo" / "model.safetensors", Path(ctx.out_dir) / "model.safetensors")
+    return results

@@ -1,0 +1,101 @@
+"""Two gloo ranks under torchrun: a rank killed with SIGKILL, or hung until the collective timeout, ends
+the group; torchrun's restart (pretrain.max_restarts through the local launcher) resumes from the
+latest committed checkpoint with no manual step, and the final weights are bit-identical to an
+uninterrupted run (so DDP's exact resume holds too). Resharding: the dp=2 checkpoint loads onto one
+process and a one-process checkpoint onto dp=2, with weights equal at load and the data position
+carried over by global sample index."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from faults_jobs import assert_equal_weights, checkpoint_weights, job, launch, losses, result, run_in_process
+from infra.config import LifecycleConfig
+from trainer.checkpoint import step_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = dict(steps=6, checkpoint={"every": 2}, micro_batch_size=2, global_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def reference(byte_tokens, tmp_path_factory):
+    """An uninterrupted dp=2 run: final weights, losses, and its output folder (checkpoints 4 and 6)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    spec = job(tmp, byte_tokens, "ref", dp=2, **STEPS)
+    code, log = launch(spec, tmp, 2)
+    assert code == 0, log[-4000:]
+    res = result(spec)
+    return {"spec": spec, "weights": checkpoint_weights(res.checkpoint, spec.config), "losses": losses(spec)}
+
+
+def run_with_launcher(spec, tmp: Path, timeout: float = 200) -> tuple[int, str]:
+    from infra.launch import get_launcher
+
+    launcher = get_launcher(LifecycleConfig.model_validate(spec.config))
+    handle = launcher.submit(spec, spec.write(tmp / f"{spec.job_id}.yaml"))
+    code = handle.wait(timeout)
+    return code, handle.log_path.read_text(errors="replace")
+
+
+def test_killed_rank_restarts_from_checkpoint(reference, byte_tokens, tmp_path):
+    spec = job(tmp_path, byte_tokens, "killed", dp=2, max_restarts=1, faults={"kill_rank": 1, "kill_step": 5}, **STEPS)
+    code, log = run_with_launcher(spec, tmp_path)
+    assert code == 0, log[-4000:]
+    # Step 2's checkpoint is committed before step 4's save starts; step 4's may still be in flight.
+    assert "SIGKILLs itself after step 5" in log and re.search(r"resumed from step [24] ", log)
+    res = result(spec)
+    assert res.status == "completed" and res.steps == 6
+    assert 0 < res.metrics["restart_s"] < 120
+    assert_equal_weights(checkpoint_weights(res.checkpoint, spec.config), reference["weights"])
+
+
+def test_hung_rank_times_out_and_restarts(reference, byte_tokens, tmp_path):
+    spec = job(tmp_path, byte_tokens, "hung", dp=2, max_restarts=1, parallel={"collective_timeout_s": 6},
+               faults={"hang_rank": 1, "hang_step": 5, "hang_mode": "sleep"}, **STEPS)
+    code, log = run_with_launcher(spec, tmp_path)
+    assert code == 0, log[-4000:]
+    assert "hangs after step 5" in log and re.search(r"resumed from step [24] ", log)
+    res = result(spec)
+    assert res.status == "completed"
+    assert_equal_weights(checkpoint_weights(res.checkpoint, spec.config), reference["weights"])
+
+
+def test_dp2_checkpoint_loads_on_one_process(reference, byte_tokens, tmp_path):
+    from trainer.loop import Trainer, unwrap
+
+    ref = reference["spec"]
+    spec = job(tmp_path, byte_tokens, "one", **STEPS)
+    src = Path(ref.output) / "checkpoints" / step_dir(4)
+    shutil.copytree(src, Path(spec.output) / "checkpoints" / step_dir(4))
+    tr = Trainer(spec)
+    assert tr.step == 4 and tr.loader.next_sample == 4 * 8  # the global sample position carried over
+    saved = checkpoint_weights(src, ref.config)
+    assert_equal_weights({k: v for k, v in unwrap(tr.model).state_dict().items()}, saved)
+    res = tr.run()
+    assert res.status == "completed"
+    # Steps 5 and 6 see the same samples as on dp=2: same losses (fp32; reduction order differs).
+    for s in (5, 6):
+        assert losses(spec)[s] == pytest.approx(reference["losses"][s], rel=1e-5)
+    for k, v in checkpoint_weights(res.checkpoint, spec.config).items():
+        torch.testing.assert_close(v, reference["weights"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_one_process_checkpoint_loads_on_dp2(byte_tokens, tmp_path):
+    whole = job(tmp_path, byte_tokens, "whole1", **{**STEPS, "checkpoint": {"every": 3}})
+    full = run_in_process(whole)
+    spec = job(tmp_path, byte_tokens, "dp2", dp=2, **STEPS)
+    shutil.copytree(Path(whole.output) / "checkpoints" / step_dir(3), Path(spec.output) / "checkpoints" / step_dir(3))
+    code, log = launch(spec, tmp_path, 2)
+    assert code == 0, log[-4000:]
+    assert "resumed from step 3" in log and "saved on 1 rank(s)" in log and "loading on 2" in log
+    assert sorted(losses(spec)) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert losses(spec)[s] == pytest.approx(losses(whole)[s], rel=1e-5)
+    for k, v in checkpoint_weights(result(spec).checkpoint, spec.config).items():
+        torch.testing.assert_close(v, checkpoint_weights(full.checkpoint, whole.config)[k], rtol=1e-5, atol=1e-6)

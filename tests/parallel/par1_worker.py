@@ -1,0 +1,135 @@
+"""Runs parallel layouts of a tiny model on the same global batches and records, per layout: losses
+and gradient norms under AdamW and SGD, the final full weights under SGD, one step's collectives
+(CommCounter) and the optimizer-state bytes. Used in-process for the one-process reference and under
+torchrun for every layout of one world size in a single launch (process start + gloo init is the cost).
+
+    python -m torch.distributed.run --nproc-per-node=W par1_worker.py OUT.pt LAYOUT [LAYOUT ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from infra.config import LifecycleConfig
+from trainer.data import MicroBatch
+from trainer.loop import LanguageModelling, build_model, train_step, unwrap
+from trainer.parallel import build_parallel_dims, parallelize
+from trainer.parallel.comm_accounting import CommCounter
+from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes
+
+VOCAB, SEQ, GLOBAL, MICRO, STEPS = 320, 16, 8, 2, 5  # tokenizer.vocab_size >= 300
+
+# name -> parallel: overrides (world size = dp * tp)
+LAYOUTS = {
+    "one": {},
+    "ddp2": {"dp": 2},
+    "zero1_dp2": {"dp": 2, "zero": 1},
+    "zero1_dp4": {"dp": 4, "zero": 1},
+    "zero2_dp2": {"dp": 2, "zero": 2},
+    "zero3_dp4": {"dp": 4, "zero": 3},
+    "hsdp_2x2": {"dp": 4, "zero": 3, "dp_replicate": 2},
+    "tp2": {"tp": 2},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "tp2_zero1_dp2": {"tp": 2, "dp": 2, "zero": 1},
+    "ddp4": {"dp": 4},
+    "tp2_fsdp_dp2": {"tp": 2, "dp": 2, "zero": 3},  # TP inside FSDP on a 2-D (dp_shard, tp) mesh
+    "tp2_fsdp_dp2_bf16": {"tp": 2, "dp": 2, "zero": 3},
+    "one_bf16": {},
+}
+BF16 = {"tp2_fsdp_dp2_bf16", "one_bf16"}  # bf16 autocast + FSDP's bf16 mixed-precision policy
+
+
+def world_of(name: str) -> int:
+    p = LAYOUTS[name]
+    return p.get("dp", 1) * p.get("tp", 1)
+
+
+def config(name: str, optimizer: str, bucket_mb: float = 0.02) -> LifecycleConfig:
+    p = {"nproc_per_node": world_of(name), "bucket_mb": bucket_mb, **LAYOUTS[name]}
+    return LifecycleConfig.model_validate({
+        "name": "par1", "seed": 0,
+        "model": {"vocab_size": VOCAB, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                  "max_seq_len": 32, "qk_norm": True, "z_loss": 1e-3},  # b*s = 32 != h = 48
+        "tokenizer": {"vocab_size": VOCAB},
+        "parallel": p,
+        "pretrain": {"steps": STEPS, "seq_len": SEQ, "micro_batch_size": MICRO, "global_batch_size": GLOBAL,
+                     "lr": 1e-2 if optimizer == "adamw" else 0.5, "warmup_steps": 1, "optimizer": optimizer,
+                     "precision": "bf16" if name in BF16 else "fp32", "grad_clip": 1.0, "peak_flops": 1e11},
+    })
+
+
+def global_rows(step: int) -> torch.Tensor:
+    """The step's global batch [GLOBAL, SEQ + 1]: a learnable pattern (a fixed random walk over the
+    vocabulary) so losses fall, the same on every rank and layout."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, VOCAB, (GLOBAL, 1), generator=g)
+    steps = torch.randint(1, 4, (GLOBAL, SEQ + 1), generator=g).cumsum(1)
+    return (start + steps) % VOCAB
+
+
+def micro_batches(step: int, dp_rank: int, dp: int) -> list[MicroBatch]:
+    rows = global_rows(step)
+    per = GLOBAL // dp
+    mine = rows[dp_rank * per:(dp_rank + 1) * per]
+    return [MicroBatch(inputs=mine[i:i + MICRO, :-1], targets=mine[i:i + MICRO, 1:], rows=None)
+            for i in range(0, per, MICRO)]
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in unwrap(model).state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k.replace("_orig_mod.", "")] = v.detach().clone()
+    return out
+
+
+def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
+    cfg = config(name, optimizer)
+    t = cfg.pretrain
+    dims = build_parallel_dims(cfg.parallel, "cpu")
+    model = parallelize(build_model(cfg, torch.device("cpu"), cfg.seed), dims, cfg.parallel, t)
+    opt = build_parallel_optimizer(unwrap(model), dims, cfg.parallel, t)
+    objective = LanguageModelling(z_loss=cfg.model.z_loss)
+    dp_group = dims.group("dp")
+    losses, norms, comm = [], [], None
+    for step in range(t.steps):
+        micro = micro_batches(step, dims.rank("dp"), dims.dp)
+        if step == count_step:
+            with CommCounter(dims.group_names()) as counter:
+                res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
+            comm = [r.__dict__ | {"wire_bytes": r.wire_bytes} for r in counter.records]
+        else:
+            res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
+        losses.append(res.loss)
+        norms.append(res.grad_norm)
+    out = {"losses": losses, "grad_norms": norms, "comm": comm, "state_bytes": optimizer_state_bytes(opt),
+           "n_micro": len(micro), "params": sum(p.numel() for p in unwrap(model).parameters())}
+    if optimizer == "sgd":
+        out["state"] = full_state(model)
+    return out
+
+
+def run_all(names: list[str]) -> dict:
+    """AdamW (losses, one step's collectives) and SGD (weights) per layout; the bf16 layouts and the
+    dp=4 DDP baseline (accounting and memory only) AdamW only."""
+    return {n: {"adamw": run(n, "adamw", count_step=1),
+                **({} if n in BF16 | {"ddp4"} else {"sgd": run(n, "sgd")})} for n in names}
+
+
+def main(out_file: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        results = run_all(names)
+        if dist.get_rank() == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,70 @@
+"""GRPO's rollout engine is the serving engine: its greedy answers match our model's, pushing new
+weights changes its generations (and resets the prefix cache), pushing the old ones back restores
+them; sampled rollouts carry the behaviour policy's log-probs."""
+
+import pytest
+import torch
+
+from fixtures.posttrain import make_chat_tokenizer, posttrain_config
+from stages.posttrain.rollout import ServingEngineRollouts
+from trainer import posttrain_data as pdata
+from trainer.model import Transformer
+from trainer.posttrain_job import stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    tok_dir = make_chat_tokenizer(root / "tok")
+    cfg = posttrain_config()
+    torch.manual_seed(0)
+    a = Transformer(cfg.model).state_dict()
+    torch.manual_seed(1)
+    b = Transformer(cfg.model).state_dict()
+    tok = pdata.load_tokenizer(tok_dir)
+    engine = ServingEngineRollouts(model_cfg=cfg.model, state_dict=a, tokenizer_dir=tok_dir, workdir=root / "engine",
+                                   stop_token_ids=stop_token_ids(tok))
+    prompts = [pdata.prompt_ids(tok, {"messages": [{"role": "user", "content": f"Q: What is {i} + 2?\nA:"}]})
+               for i in range(4)]
+    return cfg, engine, a, b, prompts
+
+
+def _greedy_ours(cfg, sd, prompt, n):
+    model = Transformer(cfg.model)
+    model.load_state_dict(sd)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_weights_pushed_to_the_engine_change_its_generations(setup):
+    cfg, engine, a, b, prompts = setup
+    first = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    assert first[0][:6] == _greedy_ours(cfg, a, prompts[0], 6)[:len(first[0])]
+    pushes = engine.pushes
+    engine.update_weights(b)
+    assert engine.pushes == pushes + 1 and engine.engine.kv.usage() >= 0
+    second = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    assert second != first
+    assert second[0] == _greedy_ours(cfg, b, prompts[0], 6)[:len(second[0])]
+    engine.update_weights(a)
+    assert [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)] == first
+
+
+def test_sampled_groups_carry_logprobs(setup):
+    cfg, engine, a, _, prompts = setup
+    engine.update_weights(a)
+    groups = engine.generate(prompts[:2], 3, 5, temperature=1.0, seed=7)
+    assert [len(g) for g in groups] == [3, 3]
+    r = groups[1][2]
+    assert r.prompt_ids == prompts[1] and len(r.logprobs) == len(r.completion_ids) >= 1
+    model = Transformer(cfg.model)
+    model.load_state_dict(a)
+    with torch.no_grad():
+        seq = torch.tensor([r.prompt_ids + r.completion_ids])
+        lp = torch.log_softmax(model(seq[:, :-1])[0], -1)
+    p = len(r.prompt_ids)
+    ours = [lp[p - 1 + i, t].item() for i, t in enumerate(r.completion_ids)]
+    assert r.logprobs == pytest.approx(ours, abs=1e-4)

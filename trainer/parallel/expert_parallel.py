@@ -1,0 +1,173 @@
+"""Expert parallel: each MoE layer's experts are spread over the ranks of an ep group, which reuses
+data-parallel (x cp) ranks (seed: "expert parallelism places different experts on different GPUs ...
+tokens are sent to the GPU holding their expert with an all-to-all, and sent back the same way").
+
+A rank routes its own tokens exactly as the single-process MoE does (same priority order, same
+capacity and dropping, decided where the tokens live), sends each kept assignment to the rank owning
+its expert with one all-to-all of variable splits, runs its local experts, and receives the outputs
+back with a second all-to-all; the router weights are applied there, at the combine. Both all-to-alls
+are differentiable (the backward is the reverse exchange).
+
+Gradients: the router, attention and every dense weight are replicated over dp x cp and synced by
+data parallel as usual; an expert's weights live on one rank of each ep group, so they are left out
+of the data-parallel all-reduce and summed only over the ranks that replicate that expert (the same
+position in the other ep groups), see `apply_expert_parallel`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.moe import MoE
+from .mesh import ParallelDims
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+def expert_parallel_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward with the experts on other ranks; bound to an MoE by `shard_experts`."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # [T, D]
+    T, E, k = x.shape[0], self.num_experts, self.top_k
+    group, ep, per_rank = self.ep_group, self.ep_size, self.num_experts // self.ep_size
+    probs, experts, weights = self.route(x)
+    # Routing, priority order and capacity exactly as in MoE.forward (GShard: first choices first).
+    expert_of = experts.t().reshape(-1)  # [k*T]
+    token_of = torch.arange(T, device=x.device).repeat(k)
+    weight_of = weights.t().reshape(-1)
+    one_hot = F.one_hot(expert_of, E)
+    slot = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
+    cap = self.capacity(T)
+    keep = slot < cap if cap is not None else torch.ones_like(slot, dtype=torch.bool)
+
+    order = torch.argsort(expert_of[keep], stable=True)  # grouped by expert, so by owner rank
+    send_expert = expert_of[keep][order]
+    send_token, send_weight = token_of[keep][order], weight_of[keep][order]
+    counts = torch.bincount(send_expert, minlength=E)  # [E] assignments this rank sends
+    # Dispatch: first how many each rank receives per local expert, then the tokens themselves.
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)  # [ep(src) * per_rank]
+    in_splits = counts.view(ep, per_rank).sum(dim=1).tolist()
+    recv_by_src = recv_counts.view(ep, per_rank)
+    out_splits = recv_by_src.sum(dim=1).tolist()
+    received = _all_to_all(x[send_token], out_splits, in_splits, group)  # [R, D], by source, then expert
+
+    # Regroup by local expert (source-major arrivals -> expert-major), run each expert, undo the regroup.
+    local_of = torch.repeat_interleave(torch.arange(per_rank, device=x.device).repeat(ep), recv_by_src.reshape(-1))
+    regroup = torch.argsort(local_of, stable=True)
+    per_expert = torch.bincount(local_of, minlength=per_rank).tolist()
+    outputs, start = [], 0
+    for j, n in enumerate(per_expert):
+        # Every local expert runs, even on no tokens, so its weights always get a gradient (zeros).
+        outputs.append(self.experts[str(self.first_expert + j)](received[regroup[start : start + n]]))
+        start += n
+    y = torch.empty_like(received) if not outputs else torch.cat(outputs)
+    y = y[torch.argsort(regroup)]
+
+    # Combine: back to the sending ranks, router weights applied here (seed: scores applied at combine).
+    back = _all_to_all(y, in_splits, out_splits, group)  # [kept, D] in send order
+    out = torch.zeros_like(x, dtype=torch.float32)
+    out.index_add_(0, send_token, (back * send_weight[:, None].to(back.dtype)).to(out.dtype))
+    if self.shared_expert is not None:
+        out = out + self.shared_expert(x)
+
+    load = one_hot.sum(dim=0)
+    self.tokens_per_expert = load.detach()
+    self.dropped_fraction = (1.0 - keep.float().mean()).detach()
+    if self.balance == "aux_loss":
+        f = load.float() / (T * k)
+        self.aux_loss = E * (f * probs.mean(dim=0)).sum()
+    else:
+        self.aux_loss = None
+    return out.view(shape)
+
+
+def shard_experts(moe: MoE, group, replica_group, data_size: int) -> None:
+    """Keep only this rank's experts (names stay `experts.{global id}`) and route through all-to-all.
+
+    Gradient scale: the loop multiplies every loss by the data-parallel size so that DDP's average
+    becomes a sum; expert weights bypass DDP, so their gradient is divided by that size here, and
+    summed over `replica_group` (ranks holding the same experts, if any) as it is produced."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    if moe.num_experts % ep:
+        raise ValueError(f"num_experts={moe.num_experts} is not divisible by ep={ep}")
+    per_rank = moe.num_experts // ep
+    first = rank * per_rank
+    moe.experts = nn.ModuleDict({str(e): moe.experts[e] for e in range(first, first + per_rank)})
+    moe.ep_group, moe.ep_size, moe.first_expert = group, ep, first
+    moe.forward = types.MethodType(expert_parallel_forward, moe)
+
+    def sync(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / data_size
+        if replica_group is not None:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=replica_group)
+        return grad
+
+    for p in moe.experts.parameters():
+        p.register_hook(sync)
+
+
+def expert_groups(dims: ParallelDims, ep: int, data_group) -> tuple[object, object | None]:
+    """(ep group, expert replica group) of this rank. The data group's ranks (dp x cp, for every
+    pp/tp coordinate) are cut into consecutive blocks of `ep`: a block is an ep group; the ranks at
+    the same place in every block hold the same experts. Every rank creates every group, in the
+    same order, as new_group requires."""
+    me = dist.get_rank()
+    mine: list = [None, None]
+    data_ranks = dist.get_process_group_ranks(data_group)
+    all_data = [data_ranks] if dims.mesh is None else _all_data_groups(dims, len(data_ranks))
+    for ranks in all_data:
+        blocks = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
+        for block in blocks:
+            g = dist.new_group(block)
+            if me in block:
+                mine[0] = g
+        if len(blocks) > 1:
+            for j in range(ep):
+                column = [b[j] for b in blocks]
+                g = dist.new_group(column)
+                if me in column:
+                    mine[1] = g
+    return mine[0], mine[1]
+
+
+def _all_data_groups(dims: ParallelDims, size: int) -> list[list[int]]:
+    """Every dp x cp group of the mesh, as lists of global ranks (one per pp/tp coordinate)."""
+    names = list(dims.mesh.mesh_dim_names)
+    data = [i for i, n in enumerate(names) if n in ("dp_replicate", "dp_shard", "cp")]
+    other = [i for i in range(len(names)) if i not in data]
+    grid = dims.mesh.mesh.permute(*other, *data).reshape(-1, size)
+    return [row.tolist() for row in grid]
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, ep: int, data_group) -> list[str]:
+    """Shard every MoE layer's experts over ep ranks; returns the names of the expert parameters,
+    which data parallel must leave alone."""
+    if data_group is None or dist.get_world_size(data_group) % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the data-parallel x cp ranks "
+                         f"({0 if data_group is None else dist.get_world_size(data_group)})")
+    group, replicas = expert_groups(dims, ep, data_group)
+    data_size = dist.get_world_size(data_group)
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            shard_experts(m, group, replicas, data_size)
+            names += [f"{name}.experts.{n}" for n, _ in m.experts.named_parameters()]
+    if not names:
+        raise ValueError(f"parallel.ep={ep} but the model has no MoE layer")
+    from .grad_norm import GradNormPlan
+
+    params = dict(model.named_parameters())
+    model.grad_norm_plan = GradNormPlan({id(params[n]) for n in names}, shard_group=group)
+    return names

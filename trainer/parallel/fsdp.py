@@ -1,0 +1,71 @@
+"""ZeRO-2, ZeRO-3 and HSDP through FSDP2 (`fully_shard`, per parameter sharding, seed: "PyTorch's FSDP2
+(the basis of TorchTitan) shards per parameter").
+
+Each transformer block is one FSDP unit (its parameters all-gathered together just before its
+forward), then the root (embedding, final norm, LM head). `reshard_after_forward` is the stage
+switch: False keeps the gathered weights from forward to backward (ZeRO-2: gradients and optimizer
+state sharded, weights gathered once per step); True frees them and gathers again in backward
+(ZeRO-3: "1.5x the traffic of plain data parallelism"). On a 2-D (dp_replicate, dp_shard) mesh FSDP2
+shards inside dp_shard and replicates across dp_replicate (HSDP). Under tensor parallel the
+parameters are already DTensors on the tp mesh and FSDP2 shards them further over dp (2-D/3-D).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .mesh import ParallelDims
+
+
+def dp_mesh(dims: ParallelDims):
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return dims.submesh("dp_replicate", "dp_shard")
+    if dims.dp_shard > 1:
+        return dims.submesh("dp_shard")
+    raise ValueError(f"FSDP needs dp_shard > 1 (got dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard})")
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str) -> nn.Module:
+    if zero not in (2, 3):
+        raise ValueError(f"apply_fsdp: zero={zero}; FSDP implements stages 2 and 3")
+    mesh = dp_mesh(dims)
+    # bf16: weights all-gathered and computed in bf16, gradients reduced in fp32, fp32 master shards.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if precision == "bf16" else MixedPrecisionPolicy())
+    reshard = zero == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root (embedding, final norm, LM head) follows the same switch, so ZeRO-3 moves exactly the
+    # seed's 1.5x of DDP (TorchTitan keeps the root gathered: the LM head is the first used in backward).
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # ZeRO-2 keeps the gathered weights between the micro-batches of a step as well (skip_grad_sync).
+    model.keep_gathered_for_accumulation = zero == 2
+    return model
+
+
+@contextlib.contextmanager
+def skip_grad_sync(model: nn.Module):
+    """Accumulate this micro-batch's gradients locally: DDP's `no_sync()`, FSDP2's
+    `set_requires_gradient_sync(False)` (one reduce-scatter per step instead of one per micro-batch;
+    the price is unsharded gradients until the last micro-batch), nothing for unwrapped models
+    (ZeRO-1 communicates only in its step)."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        keep = getattr(model, "keep_gathered_for_accumulation", False)
+        model.set_requires_gradient_sync(False)
+        if keep:  # ZeRO-2: no re-gather before the next micro-batch's forward
+            model.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+            if keep:
+                model.set_reshard_after_backward(True)
+    else:
+        yield

@@ -1,0 +1,255 @@
+"""ZeRO-1, the distributed optimizer (Megatron's): optimizer state sharded over the data-parallel group.
+
+Seed: "Gradients are reduce-scattered, each GPU runs AdamW on its 1/d, then the updated bf16 weights
+are all-gathered. The traffic equals one all-reduce, so this is free memory."
+
+Layout. The parameters (this rank's local tensors: under tensor parallel, its TP shard) are laid
+end to end and cut into buckets of about `bucket_mb` of fp32. Each bucket is padded to a multiple of
+d and rank r owns elements [r*n/d, (r+1)*n/d) of it. The owned range cuts parameters into segments;
+each segment gets a fp32 master (a view into the parameter itself when the parameter is fp32, as the
+trainer's are: the parameters ARE the fp32 masters and bf16 is autocast's) and its own AdamW or SGD
+moments, in a torch optimizer over the segments with the same decay / no-decay groups as
+`trainer.optim`. So per rank the moments are 1/d of DDP's.
+
+Step. Micro-batches accumulate gradients locally (no communication); then per bucket: copy the
+gradients into a flat fp32 buffer, reduce-scatter it (all buckets in flight at once), divide by d
+(the mean, as DDP), measure the global gradient norm (squares summed over this rank's segments,
+all-reduced over dp, and over tp for tensor-parallel-sharded parameters), clip, step, and all-gather
+the updated owned ranges back into every rank's parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from infra.config.train import TrainConfig
+
+from .mesh import ParallelDims
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tp_sharded(p: torch.Tensor) -> bool:
+    """True when a DTensor parameter is split (not replicated) across its mesh: its local squares are
+    one part of the global sum."""
+    placements = getattr(p, "placements", None)
+    return bool(placements) and any(pl.is_shard() for pl in placements)
+
+
+@dataclass
+class Segment:
+    param: nn.Parameter
+    name: str
+    start: int  # offset in the flattened local parameter
+    length: int
+    shard_offset: int  # offset in this rank's shard of the bucket
+    master: torch.Tensor  # fp32, the optimizer's "parameter"
+
+
+@dataclass
+class Bucket:
+    params: list[tuple[str, nn.Parameter, int]]  # (name, param, offset in bucket)
+    numel: int
+    padded: int
+    shard: int
+    segments: list[Segment]
+
+
+class DistributedOptimizer:
+    """Looks like a torch optimizer to the loop (`param_groups`, `zero_grad`, `state_dict`) and adds
+    `clip_grad_norm(max_norm) -> grad norm`, which the loop calls instead of `trainer.optim`'s
+    (the gradients must be reduce-scattered before their norm is known)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float):
+        self.group = dims.group("dp")
+        self.tp_group = dims.group("tp")
+        self.d = dims.dp
+        self.rank = dims.rank("dp")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ZeRO-1: the model has no trainable parameters")
+        cap = max(1, int(bucket_mb * 2**20 / 4))
+        self.buckets: list[Bucket] = []
+        current: list[tuple[str, nn.Parameter, int]] = []
+        size = 0
+        for name, p in named:
+            current.append((name, p, size))
+            size += local(p).numel()
+            if size >= cap:
+                self.buckets.append(self._bucket(current, size))
+                current, size = [], 0
+        if current:
+            self.buckets.append(self._bucket(current, size))
+        self._shards: list[torch.Tensor] | None = None
+        segments = [s for b in self.buckets for s in b.segments]
+        decay = [s.master for s in segments if s.param.dim() >= 2]
+        no_decay = [s.master for s in segments if s.param.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # A rank may own no segment of one group (tiny models): torch optimizers accept empty groups.
+        if cfg.optimizer == "sgd":
+            self.inner: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr)
+        else:
+            self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           foreach=True)
+
+    def _bucket(self, params: list[tuple[str, nn.Parameter, int]], numel: int) -> Bucket:
+        padded = math.ceil(numel / self.d) * self.d
+        shard = padded // self.d
+        lo, hi = self.rank * shard, (self.rank + 1) * shard
+        segments = []
+        for name, p, offset in params:
+            n = local(p).numel()
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a >= b:
+                continue
+            flat = local(p).detach().view(-1)[a - offset:b - offset]
+            master = flat if flat.dtype == torch.float32 else flat.float().clone()
+            segments.append(Segment(param=p, name=name, start=a - offset, length=b - a, shard_offset=a - lo,
+                                    master=master))
+        return Bucket(params=params, numel=numel, padded=padded, shard=shard, segments=segments)
+
+    # --- what the loop sees -------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            for _, p, _ in b.params:
+                p.grad = None
+            for s in b.segments:
+                s.master.grad = None
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Reduce-scatter the accumulated gradients, measure their global norm and clip (0: measure
+        only). The loop calls this in place of `trainer.optim.clip_grad_norm`, then `step()`."""
+        self._shards = self._reduce_scatter_grads()
+        norm = self._global_norm()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
+            for s in self._segments():
+                s.master.grad.mul_(coef)
+        return norm
+
+    def step(self) -> None:
+        """AdamW/SGD on the owned segments, then all-gather the updated parameters."""
+        if self._shards is None:  # called without clip_grad_norm: reduce now, no clipping
+            self._shards = self._reduce_scatter_grads()
+        self.inner.step()
+        self._all_gather_params(self._shards)
+        self._shards = None
+
+    # --- the collectives ----------------------------------------------------------------------------
+    def _segments(self):
+        return (s for b in self.buckets for s in b.segments)
+
+    def _reduce_scatter_grads(self) -> list[torch.Tensor]:
+        shards, works = [], []
+        for b in self.buckets:
+            ref = local(b.params[0][1])
+            flat = torch.zeros(b.padded, dtype=torch.float32, device=ref.device)
+            for _, p, offset in b.params:
+                if p.grad is not None:
+                    g = p.grad
+                    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+                        # e.g. the row-split embedding's gradient comes back in another layout
+                        g = g.redistribute(p.device_mesh, p.placements)
+                    g = local(g)
+                    flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+            out = torch.empty(b.shard, dtype=torch.float32, device=ref.device)
+            works.append(dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True))
+            shards.append(out)
+        for w in works:
+            w.wait()
+        for b, out in zip(self.buckets, shards):
+            out.div_(self.d)  # the mean over replicas, as DDP (the loop's loss scale expects it)
+            for s in b.segments:
+                g = out[s.shard_offset:s.shard_offset + s.length]
+                s.master.grad = g if g.dtype == s.master.dtype else g.to(s.master.dtype)
+        return shards
+
+    def _global_norm(self) -> torch.Tensor:
+        """sqrt of the sum of squares over every rank's segments; tensor-parallel-sharded parameters
+        also sum over tp (replicated ones are identical on every tp rank and count once)."""
+        device = next(self._any_param()).device
+        sq = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated]
+        for s in self._segments():
+            sq[0 if tp_sharded(s.param) else 1] += s.master.grad.float().square().sum()
+        dist.all_reduce(sq, group=self.group)
+        if self.tp_group is not None:
+            part = sq[:1].clone()
+            dist.all_reduce(part, group=self.tp_group)
+            sq[0] = part[0]
+        return sq.sum().sqrt()
+
+    def _any_param(self):
+        return (local(p) for b in self.buckets for _, p, _ in b.params)
+
+    @torch.no_grad()
+    def _all_gather_params(self, shards: list[torch.Tensor]) -> None:
+        works, fulls = [], []
+        for b, shard in zip(self.buckets, shards):
+            shard.zero_()
+            for s in b.segments:
+                shard[s.shard_offset:s.shard_offset + s.length].copy_(s.master)
+            full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+            works.append(dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True))
+            fulls.append(full)
+        for w in works:
+            w.wait()
+        for b, full in zip(self.buckets, fulls):
+            for _, p, offset in b.params:
+                t = local(p.data)
+                t.view(-1).copy_(full[offset:offset + t.numel()])
+
+    # --- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: the inner optimizer's state (moments of the owned segments, in segment
+        order) and the layout that says which parameter ranges they are."""
+        return {
+            "inner": self.inner.state_dict(),
+            "dp_size": self.d,
+            "dp_rank": self.rank,
+            "segments": [(s.name, s.start, s.length) for s in self._segments()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = [(s.name, s.start, s.length) for s in self._segments()]
+        theirs = [tuple(x) for x in state["segments"]]
+        if state["dp_size"] != self.d or theirs != mine:
+            raise ValueError(
+                f"ZeRO-1 state for dp={state['dp_size']} rank {state['dp_rank']} does not match this layout "
+                f"(dp={self.d} rank {self.rank}); resharding optimizer state is not supported"
+            )
+        self.inner.load_state_dict(state["inner"])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (moments, momentum) this rank holds."""
+        return sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """The same measure for a plain torch optimizer (DDP's full copy)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.state_bytes()
+    return sum(local(t).numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)  # a DTensor's (FSDP, TP) local shard
+
+
+def build_parallel_optimizer(model: nn.Module, dims: ParallelDims, parallel, cfg: TrainConfig):
+    """ZeRO-1 over dp when `parallel.zero == 1` and dp > 1; otherwise the plain optimizer (which, under
+    FSDP, steps on the parameters' shards)."""
+    from ..optim import build_optimizer
+
+    if parallel.zero == 1 and dims.dp > 1:
+        return DistributedOptimizer(model, cfg, dims, parallel.bucket_mb)
+    return build_optimizer(model, cfg)

@@ -1,0 +1,231 @@
+"""A post-training job (`spec.section` = "posttrain.sft" | "posttrain.dpo" | "posttrain.grpo"): the same
+model, parallel plan, optimizer, schedule and `train_step` as pretraining (seed: post-training "reuses
+the same training stack and parallelism"), with the batch source and objective of the sub-step.
+
+Inputs (name -> folder): `base` (model.safetensors with the trainer's names: the model this step
+starts from, also the frozen reference), `tokenizer` (with its chat template), `data` (train.jsonl).
+GRPO builds its rollout engine in this process from `posttrain.grpo.engine` ("module:factory", the
+serving engine by default) and scores answers with `posttrain.grpo.reward`.
+Output: model.safetensors (adapters merged), adapter/ (PEFT) when LoRA is on, metrics.jsonl,
+result.json (written by run_job)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from infra.config import LifecycleConfig
+from infra.launch.base import endpoint_for
+from infra.launch.job import JobResult, JobSpec
+
+from . import posttrain_data as pdata
+from .job_io import OutputFolder, fetch_input
+from .lora import apply_lora, merged_state_dict, save_peft
+from .loop import train_step, unwrap
+from .metrics import MetricsSink
+from .model import Transformer
+from .objectives import DirectPreference, GroupRelativePolicy, SupervisedFineTuning
+from .objectives.grpo import rollout_batches
+from .optim import build_optimizer
+from .parallel import build_parallel_dims, parallelize
+from .parallel.mesh import pick_device
+
+STEPS = ("sft", "dpo", "grpo")
+
+
+def load_object(ref: str):
+    """"module:attribute" -> the attribute (how the job names pluggable pieces such as the rollout engine)."""
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise ValueError(f"{ref!r} is not 'module:attribute'")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    f = path / "model.safetensors" if path.is_dir() else path
+    if not f.is_file():
+        raise FileNotFoundError(f"post-training base weights: {f} does not exist")
+    return load_file(str(f))
+
+
+def stop_token_ids(tok) -> list[int]:
+    """End of an answer: EOS, and the chat template's end-of-turn token when the vocabulary has one."""
+    ids = {tok.eos_token_id}
+    end = tok.convert_tokens_to_ids("<|end|>")
+    if isinstance(end, int) and end != tok.unk_token_id:
+        ids.add(end)
+    return sorted(i for i in ids if i is not None)
+
+
+class PosttrainJob:
+    def __init__(self, spec: JobSpec):
+        self.spec = spec
+        self.cfg = LifecycleConfig.model_validate(spec.config)
+        section, _, step = spec.section.partition(".")
+        if section != "posttrain" or step not in STEPS:
+            raise ValueError(f"job section {spec.section!r}; expected one of " + ", ".join(f"posttrain.{s}" for s in STEPS))
+        self.step_name = step
+        self.sc = getattr(self.cfg.posttrain, step)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.device, _ = pick_device(self.cfg.parallel.backend, self.cfg.infra.device)
+        self.dims = build_parallel_dims(self.cfg.parallel, self.device.type)
+        self.dp_group = self.dims.group("dp")
+        self.seed = self.sc.seed if self.sc.seed is not None else self.cfg.seed
+        ep = endpoint_for(spec)
+        for name in ("base", "tokenizer", "data"):
+            if name not in spec.inputs:
+                raise ValueError(f"job {spec.job_id}: inputs has no {name!r} entry (got {sorted(spec.inputs)})")
+        self.base_dir = fetch_input(spec.inputs["base"], spec.workdir, "base", ep)
+        self.tokenizer_dir = fetch_input(spec.inputs["tokenizer"], spec.workdir, "tokenizer", ep)
+        data_dir = fetch_input(spec.inputs["data"], spec.workdir, "data", ep)
+        self.tok = pdata.load_tokenizer(self.tokenizer_dir)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        torch.manual_seed(self.seed)
+        base = Transformer(self.cfg.model).to(self.device)
+        base.load_state_dict(load_weights(self.base_dir))
+        needs_ref = step == "dpo" or step == "grpo"
+        self.reference = copy.deepcopy(base).eval().requires_grad_(False) if needs_ref else None
+        lora = self.sc.lora
+        if lora.enabled:
+            apply_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        self.model = parallelize(base, self.dims, self.cfg.parallel, self.sc)
+        self.optimizer = build_optimizer(unwrap(self.model), self.sc)
+        self.output = OutputFolder(spec.output, spec.workdir, ep)
+        rows = pdata.read_jsonl(data_dir / "train.jsonl")
+        dp = dict(dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp, seed=self.seed)
+        s = self.sc
+        if step == "sft":
+            examples = [pdata.encode_example(self.tok, r) for r in rows]
+            packed = pdata.pack(examples, s.seq_len, self.pad_id, packed=s.pack)
+            self.objective = SupervisedFineTuning()
+            self.loader = pdata.ItemLoader(packed, global_batch_size=s.global_batch_size,
+                                           micro_batch_size=s.micro_batch_size,
+                                           collate=lambda ids: pdata.lm_batch(packed, ids), **dp)
+        elif step == "dpo":
+            pairs = [pdata.encode_pair(self.tok, r) for r in rows]
+            self.objective = DirectPreference(beta=s.beta, kind=s.loss, reference=self.reference)
+            self.loader = pdata.ItemLoader(pairs, global_batch_size=s.global_batch_size,
+                                           micro_batch_size=s.micro_batch_size,
+                                           collate=lambda ids: pdata.pair_batch(pairs, ids, self.pad_id), **dp)
+        else:
+            for n, r in enumerate(rows, 1):
+                if "answer" not in r:
+                    raise ValueError(f"GRPO data row {n} has no `answer` (keys {sorted(r)})")
+            self.prompts = [(pdata.prompt_ids(self.tok, r), str(r["answer"])) for r in rows]
+            self.objective = GroupRelativePolicy(epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
+                                                 reference=self.reference)
+            per_rank = s.prompts_per_step // self.dims.dp
+            if per_rank * self.dims.dp != s.prompts_per_step:
+                raise ValueError(f"grpo.prompts_per_step={s.prompts_per_step} does not split over dp={self.dims.dp}")
+            self.loader = pdata.ItemLoader(self.prompts, global_batch_size=s.prompts_per_step,
+                                           micro_batch_size=per_rank, collate=lambda ids: ids, **dp)
+            self.reward = load_object(s.reward)
+            factory = load_object(s.engine)
+            self.engine = factory(model_cfg=self.cfg.model, state_dict=self.current_weights(),
+                                  tokenizer_dir=self.tokenizer_dir, workdir=Path(spec.workdir) / "engine",
+                                  stop_token_ids=stop_token_ids(self.tok), device=self.device.type)
+        self.step = 0
+
+    def current_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu").clone() for k, v in merged_state_dict(unwrap(self.model)).items()}
+
+    # -- GRPO: rollouts ------------------------------------------------------------------------------
+    def _generate(self, ids) -> tuple[list, list[list[float]], float]:
+        s = self.sc
+        t0 = time.perf_counter()
+        groups = self.engine.generate([self.prompts[i][0] for i in ids], s.group_size, s.max_new_tokens,
+                                      s.temperature, seed=self.seed * 100003 + int(ids[0]) * 7919 + self.step)
+        rewards = [[float(bool(self.reward(r.text, self.prompts[i][1]))) for r in g] for i, g in zip(ids, groups)]
+        return groups, rewards, time.perf_counter() - t0
+
+    def _grpo_steps(self):
+        """Yields (micro-batches, metrics) per step; rollouts one step stale when async_rollouts."""
+        s = self.sc
+        pool = ThreadPoolExecutor(1) if s.async_rollouts else None
+        pending = None
+        push_s = 0.0
+        try:
+            while True:
+                if pending is None:
+                    groups, rewards, gen_s = self._generate(self.loader.next_step()[0])
+                else:
+                    groups, rewards, gen_s = pending.result()
+                if pool is not None:  # the next step's rollouts run on this step's weights, during training
+                    pending = pool.submit(self._generate, self.loader.next_step()[0])
+                micro, _ = rollout_batches(groups, rewards, max(1, s.micro_batch_size), self.pad_id)
+                flat = [x for g in rewards for x in g]
+                lengths = [len(r.completion_ids) for g in groups for r in g]
+                yield micro, {"reward_mean": sum(flat) / len(flat), "accuracy": sum(x > 0 for x in flat) / len(flat),
+                              "response_length": sum(lengths) / len(lengths), "rollout_s": gen_s,
+                              "weight_push_s": push_s,
+                              "groups_all_same": sum(len(set(g)) == 1 for g in rewards) / len(rewards)}
+                if pending is not None:
+                    pending.result()  # the engine must be idle before its weights change
+                t0 = time.perf_counter()
+                self.engine.update_weights(self.current_weights())  # also resets its prefix cache
+                push_s = time.perf_counter() - t0
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        s = self.sc
+        sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
+                           total_steps=s.steps, enabled=self.rank == 0)
+        trainable = sum(p.numel() for p in unwrap(self.model).parameters() if p.requires_grad)
+        total = sum(p.numel() for p in unwrap(self.model).parameters())
+        sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total})
+        batches = self._grpo_steps() if self.step_name == "grpo" else iter(self.loader)
+        last: dict[str, float] = {}
+        status, message = "completed", ""
+        try:
+            while self.step < s.steps:
+                t0 = time.perf_counter()
+                item = next(batches)
+                micro, extra = item if self.step_name == "grpo" else (item, {})
+                t1 = time.perf_counter()
+                res = train_step(self.model, self.optimizer, micro, self.objective, s, self.step, self.device,
+                                 self.dp_group)
+                train_s = time.perf_counter() - t1
+                self.step += 1
+                last = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr, "train_s": train_s,
+                        "data_s": t1 - t0, **self.objective.pop_metrics(), **extra}
+                if not math.isfinite(res.loss):
+                    status, message = "diverged", f"loss is {res.loss} at step {self.step}"
+                    break
+                if self.step % s.log_every == 0 or self.step == s.steps:
+                    sink.log(last, self.step)
+                sink.advance()
+        finally:
+            sink.close()
+            if hasattr(batches, "close"):
+                batches.close()
+        if self.rank == 0 and status == "completed":
+            self.save()
+        return JobResult(status=status, steps=self.step, metrics={k: float(v) for k, v in last.items()},
+                         message=message)
+
+    def save(self) -> None:
+        from safetensors.torch import save_file
+
+        out = self.output.path
+        save_file({k: v.contiguous() for k, v in self.current_weights().items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt", "posttrain_step": self.step_name})
+        if self.sc.lora.enabled:
+            save_peft(unwrap(self.model), out / "adapter")
+        print(f"posttrain.{self.step_name}: saved {out / 'model.safetensors'}", file=sys.stderr)
+
+
+def run_posttrain(spec: JobSpec) -> JobResult:
+    return PosttrainJob(spec).run()
