@@ -87,5 +87,7 @@ def artifacts_command(config: str | None, overrides: list[str], stage: str | Non
                         markup=False, highlight=False)
         return 0
     total = sum(r["size_bytes"] for r in rows)
-    Console().print(artifacts_table(rows, f"{len(rows)} artifact(s), {human_size(total)}, in {where}"))
+    # Piped output (scripts, logs) gets a wide table so fingerprints and URIs are never folded.
+    console = Console() if sys.stdout.isatty() else Console(width=max(Console().width, 200))
+    console.print(artifacts_table(rows, f"{len(rows)} artifact(s), {human_size(total)}, in {where}"))
     return 0

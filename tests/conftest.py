@@ -26,3 +26,21 @@ pytest_plugins = []
 for _name in ("s3", "mlflow_server", "tiny_hf", "slurm", "prefect"):
     if (pathlib.Path(__file__).parent / "fixtures" / f"{_name}.py").exists():
         pytest_plugins.append(f"fixtures.{_name}")
+
+import pytest  # noqa: E402
+
+# Variables a test may point elsewhere (work dir, tracking, Prefect API, fault drills). Whatever a
+# module does to them, the next module starts from the session's values.
+_SCOPED_ENV = ("EIGHTFOLD_WORKDIR", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "EIGHTFOLD_FAULT_FAIL_STAGE",
+               "EIGHTFOLD_FAULT_ONCE_FILE")
+_SESSION_ENV = {k: os.environ.get(k) for k in _SCOPED_ENV}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_scoped_env():
+    yield
+    for key, value in _SESSION_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

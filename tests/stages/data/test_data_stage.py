@@ -116,7 +116,12 @@ def test_split_is_by_document_hash_and_deterministic(tmp_path):
     assert {r["id"] for r in val} <= val2 and {r["id"] for r in train} <= train2
 
 
-def test_decontamination_drops_documents_sharing_an_ngram(tmp_path):
+def test_decontamination_drops_documents_sharing_an_ngram(tmp_path, monkeypatch):
+    # Only this test's evaluation texts: other providers (the evaluate stage registers one on import)
+    # are set aside for its duration.
+    import stages.data.decontaminate as decontaminate
+
+    monkeypatch.setattr(decontaminate, "_PROVIDERS", {})
     heapq_doc = (STDLIB / "heapq.py").read_text()
     textwrap_doc = (STDLIB / "textwrap.py").read_text()
     # An "evaluation question" quoting 13 words of heapq.py, with different punctuation and case.

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from eval_variants import write_broken_variant  # noqa: F401  (a uniquely named module: no conftest clash)
+
 
 def write_fp8_variant(src: Path, dst: Path) -> None:
     """FP8 e4m3 weights with one scale per output channel (amax / 448), the layout the engine loads."""
@@ -32,19 +34,6 @@ def write_fp8_variant(src: Path, dst: Path) -> None:
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file() and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
-
-
-def write_broken_variant(hf: Path, dst: Path) -> None:
-    """A folder the engine cannot load and no reader can dequantize: config + tokenizer, bogus weights."""
-    import torch
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True)
-    for f in hf.iterdir():
-        if f.suffix == ".json" and not f.name.startswith("model"):  # config and tokenizer files
-            shutil.copy(f, dst / f.name)
-    save_file({"model.layers.0.self_attn.q_proj.weight_packed": torch.zeros(4, 4, dtype=torch.int32)},
-              str(dst / "model.safetensors"))
 
 
 @pytest.fixture(scope="session")

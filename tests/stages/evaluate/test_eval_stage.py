@@ -117,7 +117,7 @@ def test_missing_inputs_are_named(tmp_path, export_dir):
 def test_a_variant_nothing_can_load_fails_or_is_skipped_by_policy(tmp_path, export_dir, data_dir, policy):
     import shutil
 
-    from conftest import write_broken_variant
+    from eval_variants import write_broken_variant
     from stages.evaluate.stage import run
 
     export = tmp_path / "export"
