@@ -103,13 +103,14 @@ def find_checkpoint(folder: str | Path) -> Path:
     if result.is_file():
         ref = json.loads(result.read_text()).get("checkpoint")
         if ref:
-            if "://" in ref and not ref.startswith("file://") and "/checkpoints/" in ref:
-                # a remote URI inside the job's output: the same path within this (downloaded) folder
-                ref = "checkpoints/" + ref.split("/checkpoints/", 1)[1]
+            # The job wrote into its own output (a staging folder or a remote URI); this folder is the
+            # committed copy of that output, so the same checkpoints/... path inside it comes first.
+            inside = folder / ("checkpoints/" + ref.split("/checkpoints/", 1)[1]) if "/checkpoints/" in ref else None
             path = Path(ref.removeprefix("file://"))
             path = path if path.is_absolute() else folder / path
-            if path.exists():
-                return path
+            for candidate in (inside, path):
+                if candidate is not None and candidate.exists():
+                    return candidate
             raise FileNotFoundError(f"{result} names checkpoint {ref}, which does not exist")
     if _is_checkpoint(folder):
         return folder
