@@ -12,7 +12,8 @@ from stages.base import StageContext
 
 
 def _ctx(tmp_path, overrides=(), choice=None):
-    cfg = load_config("tiny", list(overrides))
+    # configs/tiny.yaml pins lr at 1.5e-3 (the choice here): unpin and start elsewhere so adoption shows.
+    cfg = load_config("tiny", ["ablations.pinned=[]", "pretrain.lr=3e-3", *overrides])
     folder = tmp_path / "ablations"
     folder.mkdir()
     if choice is not None:

@@ -57,7 +57,7 @@ def test_config_errors_name_the_field():
 
 
 def test_pretrain_takes_the_choice_unless_pinned():
-    cfg = load_config("tiny")
+    cfg = load_config("tiny", ["ablations.pinned=[]"])  # configs/tiny.yaml pins lr; start from none
     choice = {"lr": 1e-3, "global_batch_size": 24, "schedule": "wsd"}
     new, taken = apply_choice(cfg, choice)
     assert taken == choice and new.pretrain.lr == 1e-3 and new.pretrain.global_batch_size == 24
