@@ -155,7 +155,8 @@ def execute_stage(
         raise
     numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     if numeric:
-        tracker.log_metrics(run_id, numeric)
+        # At the job's last step, so a training stage's final figures don't land at step 0 of its curves.
+        tracker.log_metrics(run_id, numeric, step=int(numeric.get("steps", 0)))
     art = commit_artifact(
         ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg),
         inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
