@@ -101,6 +101,14 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
 
+        self.record_routing(one_hot, keep, probs)
+        return out.view(shape)
+
+    def record_routing(self, one_hot: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor) -> None:
+        """Load statistics and the auxiliary balancing loss of one routing ([T*k, E] one-hot assignments,
+        [T*k] kept mask, [T, E] router probabilities); shared by the expert-parallel forward."""
+        T, E = probs.shape
+        k = one_hot.shape[0] // T
         load = one_hot.sum(dim=0)  # [E] assignments before dropping
         self.tokens_per_expert = load.detach()
         self.dropped_fraction = (1.0 - keep.float().mean()).detach()
@@ -110,7 +118,6 @@ class MoE(nn.Module):
             self.aux_loss = E * (f * probs.mean(dim=0)).sum()
         else:
             self.aux_loss = None
-        return out.view(shape)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

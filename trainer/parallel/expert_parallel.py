@@ -81,14 +81,7 @@ def expert_parallel_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     if self.shared_expert is not None:
         out = out + self.shared_expert(x)
 
-    load = one_hot.sum(dim=0)
-    self.tokens_per_expert = load.detach()
-    self.dropped_fraction = (1.0 - keep.float().mean()).detach()
-    if self.balance == "aux_loss":
-        f = load.float() / (T * k)
-        self.aux_loss = E * (f * probs.mean(dim=0)).sum()
-    else:
-        self.aux_loss = None
+    self.record_routing(one_hot, keep, probs)
     return out.view(shape)
 
 
