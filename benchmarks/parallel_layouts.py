@@ -7,7 +7,8 @@ step that also counts collectives (trainer.parallel.comm_accounting), then `--st
 (median). Prints one JSON line per layout, with ratios against the one-process figures:
 
     {"layout": "zero1_dp2", "world": 2, "step_s": ..., "tokens_per_s": ..., "speedup_vs_one": ...,
-     "bytes_per_step": {"dp": ...}, "calls_per_step": {"dp": ...}, "bytes_vs_ddp": ...}
+     "bytes_per_step": {"dp": ...}, "calls_per_step": {"dp": ...}, "bytes_vs_ddp": ...,
+     "optimizer_state_bytes_rank0": ...}
 
 On one 2-core machine several ranks share the cores, so the times show communication and
 framework overhead, not the scaling a GPU cluster would give; the bytes are exact.
@@ -36,7 +37,7 @@ from trainer.data import MicroBatch
 from trainer.loop import LanguageModelling, build_model, train_step, unwrap
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.comm_accounting import CommCounter
-from trainer.parallel.zero1 import build_parallel_optimizer
+from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +64,14 @@ LAYOUTS: dict[str, dict] = {
     "cp2_ulysses": {"cp": 2, "cp_impl": "ulysses"},
     "cp4_ring": {"cp": 4, "cp_impl": "ring"},
     "dp2_cp2_pp2": {"dp": 2, "cp": 2, "pp": 2, "pp_schedule": "1f1b"},
+    # ZeRO-1 composed with pipeline, context and tensor parallel; the seed's mesh (configs/seed-1b.yaml:
+    # dp=2 x tp=2 (+SP) x pp=2, ZeRO-1, 1F1B; its 4 micro-batches of 2 per replica need --batch 16).
+    "zero1_dp2_pp2": {"dp": 2, "pp": 2, "zero": 1, "pp_schedule": "1f1b"},
+    "zero1_dp2_cp2": {"dp": 2, "cp": 2, "zero": 1},
+    "tp2_cp2_zero1": {"tp": 2, "cp": 2, "zero": 1},
+    "ddp8": {"dp": 8},
+    "dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b"},
+    "seed_2x2x2": {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "pp_schedule": "1f1b"},
 }
 
 
@@ -122,7 +131,8 @@ def measure(name: str, a: argparse.Namespace) -> dict:
     return {"layout": name, "world": dims.world_size, "step_s": step_s,
             "tokens_per_s": t.global_batch_size * t.seq_len / step_s,
             "bytes_per_step": {k: v["bytes"] for k, v in summary.items()},
-            "calls_per_step": {k: v["calls"] for k, v in summary.items()}}
+            "calls_per_step": {k: v["calls"] for k, v in summary.items()},
+            "optimizer_state_bytes_rank0": optimizer_state_bytes(opt)}
 
 
 def worker(out: str, names: list[str], a: argparse.Namespace) -> None:

@@ -75,4 +75,22 @@ class ParallelConfig(Section):
             raise ValueError(f"pp_schedule={self.pp_schedule} needs pp_virtual_stages >= 2")
         if self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual_stages != 2:
             raise ValueError(f"pp_schedule={self.pp_schedule} needs pp_virtual_stages = 2 (V-shape)")
+        unsupported = unsupported_layout(self)
+        if unsupported:
+            raise ValueError(unsupported)
         return self
+
+
+def unsupported_layout(p: ParallelConfig) -> str | None:
+    """Why the trainer cannot compose this mesh (sizes are valid, the combination is not built), or None.
+    The one list of these rules: config validation calls it, and the trainer again at start
+    (trainer.parallel.layouts.check_supported)."""
+    if p.zero >= 2 and (p.cp > 1 or p.ep > 1):
+        return (f"parallel.zero={p.zero} (FSDP) with parallel.cp={p.cp} ep={p.ep}: FSDP composes with tensor and "
+                f"pipeline parallel only; use zero=1 (distributed optimizer) or zero=0 with context or expert parallel")
+    if p.tp > 1 and p.zero == 0 and p.pp == 1 and p.dp * p.cp > 1:
+        # The pipeline step averages gradients itself (DTensors included); without it, DDP would, and DDP
+        # does not take tensor-parallel DTensors.
+        return (f"parallel.tp={p.tp} with parallel.dp={p.dp} cp={p.cp} and zero=0: DDP does not take "
+                f"tensor-parallel DTensors; set parallel.zero to 1, 2 or 3")
+    return None

@@ -1,7 +1,8 @@
-"""Exact resume and resharding on the parallel layouts (trainer/parallel): ZeRO-1 over dp=2, and
-dp=2 (FSDP2) x tp=2 stopped and resumed give final weights torch.equal to never stopping (fp32, CPU,
-gloo); the dp=2 x tp=2 checkpoint also loads onto pp=2 x dp=2 and training continues to the same weights
-(within float tolerance: a different layout sums in a different order)."""
+"""Exact resume and resharding on the parallel layouts (trainer/parallel): ZeRO-1 over dp=2, dp=2
+(FSDP2) x tp=2, and the seed's dp=2 x tp=2 x pp=2 mesh with ZeRO-1 (a TP x PP layout) stopped and
+resumed give final weights torch.equal to never stopping (fp32, CPU, gloo); the dp=2 x tp=2
+checkpoint also loads onto pp=2 x dp=2 and training continues to the same weights (within float
+tolerance: a different layout sums in a different order)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_zero1_exact_resume(byte_tokens, tmp_path):
 
 
 def test_dp_tp_exact_resume_and_reshard_to_pp_dp(byte_tokens, tmp_path):
-    """dp=2 (FSDP2, zero=2) x tp=2; tp x pp is not composed by trainer/parallel yet."""
+    """dp=2 (FSDP2, zero=2) x tp=2, resumed as it was and resharded onto pp=2 x dp=2."""
     dp_tp = {"tp": 2, "zero": 2, "nproc_per_node": 4}
     whole = job(tmp_path, byte_tokens, "dptp-whole", dp=2, parallel=dp_tp, **STEPS)
     resumed = job(tmp_path, byte_tokens, "dptp-resumed", dp=2, parallel=dp_tp, **STEPS)
@@ -59,3 +60,18 @@ def test_dp_tp_exact_resume_and_reshard_to_pp_dp(byte_tokens, tmp_path):
         assert losses(moved)[s] == pytest.approx(losses(whole)[s], rel=1e-5)
     for k, v in final(moved).items():
         torch.testing.assert_close(v, reference[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_seed_mesh_tp_pp_zero1_exact_resume(byte_tokens, tmp_path):
+    """The seed's mesh, dp=2 x tp=2 x pp=2 with ZeRO-1, sequence parallel and 1F1B (4 micro-batches of 2 per
+    replica): a TP x PP layout whose optimizer state is sharded over dp, stopped at step 2 and resumed."""
+    seed = {"tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "pp_schedule": "1f1b", "nproc_per_node": 8}
+    steps = {**STEPS, "global_batch_size": 16}
+    whole = job(tmp_path, byte_tokens, "seed-whole", dp=2, parallel=seed, **steps)
+    resumed = job(tmp_path, byte_tokens, "seed-resumed", dp=2, parallel=seed, **steps)
+    log = run_worker(tmp_path, 8, [whole, resumed])
+    assert "resumed from step 2" in log
+    assert sorted(losses(resumed)) == [3, 4]
+    for s in (3, 4):
+        assert losses(resumed)[s] == losses(whole)[s]
+    assert_equal_weights(final(resumed), final(whole))

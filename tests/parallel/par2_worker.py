@@ -1,9 +1,9 @@
 """Run under torchrun by test_par2_layouts.py: every layout of one world size in one launch.
 
 argv: PLAN.json OUT_DIR. The plan is a list of {"name", "job", "mode"}; mode "train" trains the job's
-steps through the real Trainer and saves, per rank, the losses and the rank's own weights (full-model
-names); mode "bubble" also instruments the pipeline with a PipelineTrace (fixed delays per pass) and
-saves each rank's idle fraction and peak live micro-batches.
+steps through the real Trainer and saves, per rank, the losses, the rank's own weights (full-model
+names) and its optimizer-state bytes; mode "bubble" also instruments the pipeline with a
+PipelineTrace (fixed delays per pass) and saves each rank's idle fraction and peak live micro-batches.
 """
 
 import json
@@ -46,10 +46,13 @@ def run(job_file: str, mode: str, out: Path) -> None:
             for s, n in trace.peak_live.items():
                 peaks[s] = max(peaks.get(s, 0), n)
     from trainer.parallel.context_parallel import ring_tiles_computed
+    from trainer.parallel.zero1 import local, optimizer_state_bytes
 
     record = {"losses": losses, "grad_norms": norms, "state": {k: full(v) for k, v in model.state_dict().items()},
               "tiles": ring_tiles_computed(model), "idle": idle, "peak_live": peaks, "moe": res.moe,
-              "pp_rank": tr.dims.rank("pp"), "cp_rank": tr.dims.rank("cp"), "dp_rank": tr.dims.rank("dp")}
+              "pp_rank": tr.dims.rank("pp"), "cp_rank": tr.dims.rank("cp"), "dp_rank": tr.dims.rank("dp"),
+              "tp_rank": tr.dims.rank("tp"), "state_bytes": optimizer_state_bytes(tr.optimizer),
+              "local_params": sum(local(p).numel() for p in model.parameters())}
     if getattr(model, "pipeline", None) is not None:
         record["chunks"] = model.pipeline.chunk_ids
         record["counts"] = model.pipeline.counts

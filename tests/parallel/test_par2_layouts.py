@@ -1,6 +1,7 @@
-"""Pipeline, context and expert parallel layouts give the same training as one process on the same
-global batch (CPU, gloo, fp32, 5 steps): losses within 1e-5 relative under AdamW, weights within
-1e-5 under SGD. Every layout of one world size runs in one torchrun launch (par2_worker.py); the
+"""Pipeline, context and expert parallel layouts, alone and composed with tensor parallel and ZeRO-1
+(the seed's dp=2 x tp=2 x pp=2 mesh with ZeRO-1; tp x cp; tp x ep; FSDP x pp), give the same
+training as one process on the same global batch (CPU, gloo, fp32, 5 steps): losses within 1e-5
+relative under AdamW, weights within 1e-5 under SGD. Every layout of one world size runs in one torchrun launch (par2_worker.py); the
 one-process references run in this process through the same Trainer.
 
 Also measured: the pipeline bubble (idle fraction per stage from timestamps) and the peak number of
@@ -92,11 +93,14 @@ def merged_state(records: list[dict]) -> dict[str, torch.Tensor]:
     return state
 
 
+def assert_close_losses(rec: dict, ref: dict) -> None:
+    torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(rec["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-4, atol=1e-6)
+
+
 def assert_same_training(records: list[dict], ref_adamw: dict, sgd_records: list[dict], ref_sgd: dict) -> None:
     for rec in records:  # every rank reports the global loss
-        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref_adamw["losses"]), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(rec["grad_norms"]), torch.tensor(ref_adamw["grad_norms"]),
-                                   rtol=1e-4, atol=1e-6)
+        assert_close_losses(rec, ref_adamw)
     torch.testing.assert_close(torch.tensor(sgd_records[0]["losses"]), torch.tensor(ref_sgd["losses"]), rtol=1e-5, atol=0)
     state, want = merged_state(sgd_records), ref_sgd["state"]
     assert state.keys() == want.keys()
@@ -129,7 +133,7 @@ def test_world2_layouts_match_one_process(byte_tokens, tmp_path):
            for m, model in (("dense", DENSE), ("moe", MOE)) for opt in ("adamw", "sgd")}
     failures = []
     for name in [*PP2, *CP2, "ep2"]:
-        kind = "moe" if name.startswith("ep") else "dense"
+        kind = "moe" if any(part.startswith("ep") for part in name.split("-")) else "dense"
         try:
             assert_same_training(got[f"{name}-adamw"], ref[kind, "adamw"], got[f"{name}-sgd"], ref[kind, "sgd"])
         except AssertionError as e:
@@ -163,6 +167,16 @@ def test_world4_layouts_and_pipeline_bubble(byte_tokens, tmp_path):
         layouts[f"ep4-{opt}"] = (config(MOE_BIAS, opt, world=4, dp=4, ep=4), "train")
         # ep=2 inside dp=4: every expert on two ranks, its gradient summed over that pair only.
         layouts[f"ep2-dp4-{opt}"] = (config(MOE_BIAS, opt, world=4, dp=4, ep=2), "train")
+        # Heads over tp, sequence over cp (ring attention on the local heads); ZeRO-1 over the cp ranks,
+        # which hold the same weights (DDP does not take tensor-parallel DTensors).
+        layouts[f"tp2-cp2-zero1-{opt}"] = (config(DENSE, opt, world=4, tp=2, cp=2, zero=1), "train")
+    # AdamW only: MoE layers whole on every tp rank (attention and the rest split over tp, sequence
+    # parallel) with their experts over ep=2 and ZeRO-1 beside it (experts keep whole moments); FSDP
+    # (ZeRO-3) inside an interleaved pipeline.
+    layouts["tp2-ep2-dp2-zero1-sp-adamw"] = (config(MOE_BIAS, "adamw", world=4, tp=2, dp=2, ep=2, zero=1,
+                                                    sequence_parallel=True), "train")
+    layouts["dp2-pp2-zero3-adamw"] = (config(DENSE, "adamw", world=4, dp=2, pp=2, zero=3,
+                                             pp_schedule="interleaved_1f1b", pp_virtual_stages=2), "train")
     # Bubble: m = 8 micro-batches on p = 4 stages, fixed pass delays (forward 20 ms, backward 40 ms).
     bubble = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": {"pp_virtual_stages": 2}}
     for sched, extra in bubble.items():
@@ -172,13 +186,26 @@ def test_world4_layouts_and_pipeline_bubble(byte_tokens, tmp_path):
     ref = {(m, opt): reference(tmp_path, byte_tokens, f"{m}-{opt}", config(model, opt))
            for m, model in (("dense", DENSE), ("moe", MOE_BIAS)) for opt in ("adamw", "sgd")}
     failures = []
-    for name in ("pp4-interleaved", "cp4-ring", "ep4", "ep2-dp4"):
-        kind = "moe" if name.startswith("ep") else "dense"
+    for name in ("pp4-interleaved", "cp4-ring", "ep4", "ep2-dp4", "tp2-cp2-zero1"):
+        kind = "moe" if any(part.startswith("ep") for part in name.split("-")) else "dense"
         try:
             assert_same_training(got[f"{name}-adamw"], ref[kind, "adamw"], got[f"{name}-sgd"], ref[kind, "sgd"])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
+    for name in ("tp2-ep2-dp2-zero1-sp", "dp2-pp2-zero3"):
+        kind = "moe" if any(part.startswith("ep") for part in name.split("-")) else "dense"
+        for rec in got[f"{name}-adamw"]:
+            try:
+                assert_close_losses(rec, ref[kind, "adamw"])
+            except AssertionError as e:
+                failures.append(f"{name}: {str(e)[:600]}")
     assert not failures, "\n".join(failures)
+    # ZeRO-1 with expert parallel: the dense weights' moments are sharded over dp, the experts' are whole.
+    for rec in got["tp2-ep2-dp2-zero1-sp-adamw"]:
+        experts = sum(v.numel() for k, v in rec["state"].items() if ".experts." in k)
+        assert 8 * experts < rec["state_bytes"] < 8 * rec["local_params"]
+    for rec in got["tp2-cp2-zero1-adamw"]:
+        assert rec["tiles"] == STEPS * 4 * DENSE["n_layers"] * tile_counts(2)[rec["cp_rank"]]
     # Validation through the pipeline equals the one-process validation loss.
     assert got["pp4-interleaved-sgd"][0]["val_loss"] == pytest.approx(ref["dense", "sgd"]["val_loss"], rel=1e-5)
     for r, rec in enumerate(got["cp4-ring-adamw"]):
@@ -208,19 +235,34 @@ def test_world4_layouts_and_pipeline_bubble(byte_tokens, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_world8_meshes_match_one_process(byte_tokens, tmp_path):
-    """The seed's 2 x 2 x 2 mesh on the tiny model: dp=2 x tp=2 x pp=2 with 1F1B and 4 micro-batches of 2
-    per replica (ZeRO-1 does not compose with pipeline parallel here yet: zero=0, the pipeline step
-    averages the data-parallel gradients itself); and dp=2 x cp=2 x pp=2."""
+    """The seed's 2 x 2 x 2 mesh on the tiny model, as configs/seed-1b.yaml lays it out: dp=2 x tp=2 (+
+    sequence parallel) x pp=2 with ZeRO-1 over dp, 1F1B, 4 micro-batches of 2 per replica and an uneven
+    split (fewer layers on the head's stage); and dp=2 x cp=2 x pp=2 with zero=0 (the pipeline step
+    averages the data-parallel gradients itself)."""
     layouts = {}
     for opt in ("adamw", "sgd"):
-        layouts[f"dp2-tp2-pp2-{opt}"] = (config(DENSE, opt, world=8, global_batch=16, dp=2, tp=2, pp=2,
-                                                pp_schedule="1f1b"), "train")
+        layouts[f"dp2-tp2-pp2-{opt}"] = (config(DENSE, opt, world=8, global_batch=16, dp=2, tp=2, pp=2, zero=1,
+                                                sequence_parallel=True, pp_schedule="1f1b", pp_split=[5, 3]),
+                                         "train")
     # dp x cp x pp under SGD only (losses and weights), to keep the launch short.
     layouts["dp2-cp2-pp2-sgd"] = (config(DENSE, "sgd", world=8, dp=2, cp=2, pp=2, pp_schedule="1f1b"), "train")
     got = launch(tmp_path, byte_tokens, 8, layouts)
-    ref = {opt: reference(tmp_path, byte_tokens, f"dense16-{opt}", config(DENSE, opt, global_batch=16))
-           for opt in ("adamw", "sgd")}
+    ref_cfg = {opt: config(DENSE, opt, global_batch=16) for opt in ("adamw", "sgd")}
+    # Validation deals eval_batches per dp rank: one process sees the same rows with twice as many.
+    ref_cfg["adamw"]["pretrain"]["eval_batches"] *= 2
+    ref = {opt: reference(tmp_path, byte_tokens, f"dense16-{opt}", ref_cfg[opt]) for opt in ("adamw", "sgd")}
     assert_same_training(got["dp2-tp2-pp2-adamw"], ref["adamw"], got["dp2-tp2-pp2-sgd"], ref["sgd"])
+    seed = got["dp2-tp2-pp2-adamw"]
+    assert seed[0]["counts"] == [5, 3]
+    # ZeRO-1: each dp rank holds the moments of half of its stage's (tp-local) parameters.
+    by_pos: dict[tuple[int, int], list[dict]] = {}
+    for rec in seed:
+        by_pos.setdefault((rec["pp_rank"], rec["tp_rank"]), []).append(rec)
+    for pair in by_pos.values():  # the two dp ranks' segments partition the stage's elements: 2 fp32 moments each
+        assert len(pair) == 2 and sum(r["state_bytes"] for r in pair) == 2 * 4 * pair[0]["local_params"]
+        assert all(0.4 < r["state_bytes"] / (8 * r["local_params"]) < 0.6 for r in pair)
+    # Validation through the pipeline under sequence parallel (1/tp of the sequence between stages).
+    assert seed[0]["val_loss"] == pytest.approx(ref["adamw"]["val_loss"], rel=1e-5)
     ref8 = reference(tmp_path, byte_tokens, "dense8-sgd", config(DENSE, "sgd"))
     assert_same_training(got["dp2-cp2-pp2-sgd"], ref8, got["dp2-cp2-pp2-sgd"], ref8)
     assert {(r["dp_rank"], r["cp_rank"], r["pp_rank"]) for r in got["dp2-cp2-pp2-sgd"]} == {

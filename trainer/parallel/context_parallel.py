@@ -269,7 +269,9 @@ def _zigzag_positions_hook(cp: int, rank: int):
     def hook(module, args, kwargs):
         if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
             x = args[0] if args else kwargs["tokens"]
-            kwargs = {**kwargs, "positions": zigzag_positions(x.shape[1] * cp, cp, rank, device=x.device)}
+            # A later pipeline stage under sequence parallel receives 1/tp of this rank's tokens.
+            local = x.shape[1] * getattr(module, "sequence_shards", 1)
+            kwargs = {**kwargs, "positions": zigzag_positions(local * cp, cp, rank, device=x.device)}
         return args, kwargs
 
     return hook

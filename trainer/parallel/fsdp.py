@@ -8,6 +8,7 @@ state sharded, weights gathered once per step); True frees them and gathers agai
 (ZeRO-3: "1.5x the traffic of plain data parallelism"). On a 2-D (dp_replicate, dp_shard) mesh FSDP2
 shards inside dp_shard and replicates across dp_replicate (HSDP). Under tensor parallel the
 parameters are already DTensors on the tp mesh and FSDP2 shards them further over dp (2-D/3-D).
+Under pipeline parallel the stage modules are the FSDP roots (see `apply_fsdp`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str) 
     reshard = zero == 3
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    pipe = getattr(model, "pipeline", None)
+    if pipe is not None:
+        # Pipeline parallel: each stage module is an FSDP root (its embedding / norm / head the root unit);
+        # torch's schedules then hold the reduce-scatter until a stage's last micro-batch
+        # (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad), so the pipeline step
+        # needs no data-parallel all-reduce of its own.
+        for part in pipe.parts:
+            fully_shard(part, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        pipe.fsdp = True
+        return model
     # The root (embedding, final norm, LM head) follows the same switch, so ZeRO-3 moves exactly the
     # seed's 1.5x of DDP (TorchTitan keeps the root gathered: the LM head is the first used in backward).
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -80,6 +80,10 @@ class ParallelDims:
             group = self.group(name) if name != "ep" else None
             if group is not None:
                 names[group.group_name] = name
+        if self.cp > 1 and self.dp > 1:  # gradients and ZeRO-1 under context parallel: the dp x cp group
+            from .context_parallel import data_context_group
+
+            names.setdefault(data_context_group(self).group_name, "dp_cp")
         return names
 
     def rank(self, name: str) -> int:

@@ -16,6 +16,10 @@ last stage gets fewer layers" because it also holds the LM head and the loss).
   micro-batches' gradients unscaled (scale_grads=False), data parallel averages over D, so the step's
   gradient is that of the token-weighted mean, as in `trainer.loop.train_step`.
 - The gradient norm for clipping is global: squared norms are summed over the pp ranks.
+- Data parallel after the schedule: a flat all-reduce of the stage's gradients over dp x cp, or, under
+  ZeRO-1 (`zero1.DistributedOptimizer`), its reduce-scatter / sharded step / all-gather over the same
+  group (the seed's layout: dp=2 x tp=2 x pp=2 with ZeRO-1); under ZeRO-2/3 the stage modules are
+  FSDP2 roots and the schedule reduce-scatters after each stage's last micro-batch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..estimate import formulas
 from ..model import Transformer
 from .grad_norm import GradNormPlan
 from .mesh import ParallelDims
+from .zero1 import DistributedOptimizer
 
 V_STYLE = ("zbv", "dualpipev")
 
@@ -179,6 +184,8 @@ class Pipeline:
         self.z_loss = z_loss
         self.skip_sync = skip_sync  # ids of parameters data parallel leaves alone (expert weights)
         self.scale = 1.0
+        self.sequence_shards = 1  # tp under sequence parallel: stages exchange 1/tp of the sequence
+        self.fsdp = False  # set by fsdp.apply_fsdp when the stage modules are FSDP2 roots (ZeRO-2/3)
         self.sums: list[torch.Tensor] = []
         self.trace: PipelineTrace | None = None
 
@@ -215,9 +222,16 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
     chunk_ids = chunks_of_rank(pp_rank, pp, v, parallel.pp_schedule)
     device = next(model.parameters()).device
     parts, stages = [], []
+    # Sequence parallel: the hidden states between stages are 1/tp of the sequence (seed: "the residual
+    # stream is split along the sequence"); a later stage derives the tokens' positions from the full length.
+    shards = dims.tp if parallel.sequence_parallel and dims.tp > 1 else 1
     for c in chunk_ids:
         layer_ids = list(range(starts[c], starts[c] + counts[c]))
         part = stage_module(model, layer_ids, first=c == 0, last=c == n_chunks - 1)
+        if c > 0 and shards > 1:
+            part.sequence_shards = shards
+            if parallel.cp == 1:  # context parallel's zigzag hook does it otherwise (context_parallel.py)
+                part.register_forward_pre_hook(_sequence_positions_hook(shards), with_kwargs=True)
         parts.append(part)
         stages.append(PipelineStage(part, c, n_chunks, device, group=pp_group))
     # The local model: only this rank's layers; embedding/head where its chunks hold them.
@@ -238,11 +252,22 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
         raise ValueError(f"pp_schedule={parallel.pp_schedule} runs one chunk per rank; pp_virtual_stages={v}")
     pipe.schedule = cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=pipe.loss_fn,
                         scale_grads=False)
+    pipe.sequence_shards = shards
     model.pipeline = pipe
     plan = getattr(model, "grad_norm_plan", None) or GradNormPlan()
     plan.stage_group = pp_group  # clipping needs the norm over every stage's gradients
     model.grad_norm_plan = plan
     return model
+
+
+def _sequence_positions_hook(shards: int):
+    def hook(module, args, kwargs):
+        if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
+            x = args[0] if args else kwargs["tokens"]
+            kwargs = {**kwargs, "positions": torch.arange(x.shape[1] * shards, device=x.device)}
+        return args, kwargs
+
+    return hook
 
 
 # ------------------------------------------------------------------------------------ the train step
@@ -321,9 +346,13 @@ def pipeline_train_step(model: nn.Module, optimizer, micro_batches, objective, c
         for h in hooks:
             h.remove()
     params = [p for p in model.parameters() if p.requires_grad]
-    if data_group is not None:
-        _flat_all_reduce([p.grad for p in params if p.grad is not None and id(p) not in pipe.skip_sync], data_group)
-    grad_norm = model.grad_norm_plan.clip(params, cfg.grad_clip)
+    if isinstance(optimizer, DistributedOptimizer):  # ZeRO-1: reduce-scatter, norm over dp, tp, ep and pp
+        grad_norm = optimizer.clip_grad_norm(cfg.grad_clip)
+    else:
+        if data_group is not None and not pipe.fsdp:  # FSDP stages reduce-scattered their own (fsdp.py)
+            _flat_all_reduce([p.grad for p in params if p.grad is not None and id(p) not in pipe.skip_sync],
+                             data_group)
+        grad_norm = model.grad_norm_plan.clip(params, cfg.grad_clip)
     # The schedule's first step also runs the loss once to infer shapes: keep the micro-batches' own.
     sums = torch.stack(pipe.sums[-len(micro_batches):]).sum(dim=0) if pipe.sums else torch.zeros(2, device=device)
     # The spike guard decides on the global loss: every pp rank must agree on skipping.
@@ -389,7 +418,8 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
             if c == 0:
                 h = mb.inputs.to(device)
             elif owner[c - 1] != pp_rank:
-                h = torch.empty(*mb.inputs.shape, model.cfg.dim, device=device)
+                b, seq = mb.inputs.shape
+                h = torch.empty(b, seq // pipe.sequence_shards, model.cfg.dim, device=device)
                 dist.recv(h, dist.get_global_rank(pipe.pp_group, owner[c - 1]), group=pipe.pp_group)
             with autocast_for(precision, device):
                 h = local[c](h)

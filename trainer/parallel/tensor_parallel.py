@@ -14,7 +14,8 @@ Vocab parallel: the embedding is split by vocabulary rows (row-wise: each rank l
 zeros elsewhere, then an all-reduce or reduce-scatter) and the LM head by vocabulary columns, its
 logits left as a DTensor sharded on the vocabulary for `vocab_parallel.cross_entropy_sum`, so the
 full logits never exist on one rank. Every parameter becomes a DTensor on the tp mesh (norm gains
-replicated), so gradient-norm clipping and FSDP see one kind of tensor.
+replicated), so gradient-norm clipping and FSDP see one kind of tensor, except MoE layers: they stay
+whole (plain tensors, identical on every tp rank) and scale out by expert parallel instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -32,6 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from infra.config.model import ModelConfig
 
+from ..model.moe import MoE
 from .mesh import ParallelDims
 
 
@@ -69,8 +72,6 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if cfg.tie_embeddings:
         raise ValueError("tensor parallel with model.tie_embeddings is not implemented (the embedding is "
                          "row-split and the LM head column-split: one tensor cannot be both)")
-    if cfg.moe is not None:
-        raise ValueError("tensor parallel of MoE layers is not implemented here; use expert parallel (parallel.ep)")
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool) -> nn.Module:
@@ -100,6 +101,16 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_paralle
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=residual),
         }
+        if isinstance(block.mlp, MoE):
+            # MoE layers are not split over tp: every tp rank runs the whole layer (its experts spread over
+            # ep ranks of the same tp coordinate) on the whole (gathered) sequence, so router, experts,
+            # loads and balancing are identical across tp; under SP the output is cut back to this rank's
+            # share of the sequence (a slice; its backward gathers the gradient).
+            for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                del plan[name]
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=True)
         if block.self_attn.q_norm is not None:  # per-head norms see local heads: replicated gains
             plan["self_attn.q_norm"] = ReplicateParallel(Shard(2))  # q/k are [B, S, local heads, d]
             plan["self_attn.k_norm"] = ReplicateParallel(Shard(2))

@@ -16,6 +16,13 @@ gradients into a flat fp32 buffer, reduce-scatter it (all buckets in flight at o
 (the mean, as DDP), measure the global gradient norm (squares summed over this rank's segments,
 all-reduced over dp, and over tp for tensor-parallel-sharded parameters), clip, step, and all-gather
 the updated owned ranges back into every rank's parameters.
+
+Composition. The "data" group is every rank holding the same weights and seeing different tokens:
+dp, or dp x cp under context parallel (Megatron's distributed optimizer also shards over dp x cp).
+Under pipeline parallel a rank's model is its stages only, so the buckets hold those, and the norm's
+squares are also summed over pp. Expert-parallel experts are not replicated over the data group
+(trainer.parallel.expert_parallel syncs them as they are produced): they stay whole on their rank,
+with their own moments, and their squares are summed over the ep group.
 """
 
 from __future__ import annotations
@@ -68,14 +75,27 @@ class DistributedOptimizer:
     `clip_grad_norm(max_norm) -> grad norm`, which the loop calls instead of `trainer.optim`'s
     (the gradients must be reduce-scattered before their norm is known)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float):
-        self.group = dims.group("dp")
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float, group=None):
+        from .context_parallel import data_context_group
+
+        self.group = group if group is not None else data_context_group(dims)  # dp (x cp)
+        if self.group is None:
+            raise ValueError("ZeRO-1 needs a data-parallel (x cp) group of more than one rank")
         self.tp_group = dims.group("tp")
-        self.d = dims.dp
-        self.rank = dims.rank("dp")
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
+        self.d = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        plan = getattr(model, "grad_norm_plan", None)  # set by expert and pipeline parallel
+        local_ids = plan.sharded if plan is not None else set()
+        self.expert_group = plan.shard_group if plan is not None else None
+        self.stage_group = plan.stage_group if plan is not None else dims.group("pp")
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
             raise ValueError("ZeRO-1: the model has no trainable parameters")
+        named = [(n, p) for n, p in trainable if id(p) not in local_ids]
+        # Expert weights: whole, on this rank only (their gradient is already summed where needed).
+        self.experts = [Segment(param=p, name=n, start=0, length=p.numel(), shard_offset=-1,
+                                master=p.detach().view(-1) if p.dtype == torch.float32 else p.detach().float().view(-1))
+                        for n, p in trainable if id(p) in local_ids]
         cap = max(1, int(bucket_mb * 2**20 / 4))
         self.buckets: list[Bucket] = []
         current: list[tuple[str, nn.Parameter, int]] = []
@@ -89,7 +109,7 @@ class DistributedOptimizer:
         if current:
             self.buckets.append(self._bucket(current, size))
         self._shards: list[torch.Tensor] | None = None
-        segments = [s for b in self.buckets for s in b.segments]
+        segments = [s for b in self.buckets for s in b.segments] + self.experts
         decay = [s.master for s in segments if s.param.dim() >= 2]
         no_decay = [s.master for s in segments if s.param.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -127,6 +147,9 @@ class DistributedOptimizer:
                 p.grad = None
             for s in b.segments:
                 s.master.grad = None
+        for s in self.experts:
+            s.param.grad = None
+            s.master.grad = None
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Reduce-scatter the accumulated gradients, measure their global norm and clip (0: measure
@@ -135,8 +158,9 @@ class DistributedOptimizer:
         norm = self._global_norm()
         if max_norm > 0:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s formula
-            for s in self._segments():
-                s.master.grad.mul_(coef)
+            for s in self._all_segments():
+                if s.master.grad is not None:
+                    s.master.grad.mul_(coef)
         return norm
 
     def step(self) -> None:
@@ -146,10 +170,18 @@ class DistributedOptimizer:
         self.inner.step()
         self._all_gather_params(self._shards)
         self._shards = None
+        with torch.no_grad():
+            for s in self.experts:  # a copy only when the parameter is not fp32 (the master is a view otherwise)
+                if s.master.data_ptr() != s.param.data_ptr():
+                    s.param.view(-1).copy_(s.master)
 
     # --- the collectives ----------------------------------------------------------------------------
     def _segments(self):
         return (s for b in self.buckets for s in b.segments)
+
+    def _all_segments(self):
+        yield from self._segments()
+        yield from self.experts
 
     def _reduce_scatter_grads(self) -> list[torch.Tensor]:
         shards, works = [], []
@@ -174,24 +206,41 @@ class DistributedOptimizer:
             for s in b.segments:
                 g = out[s.shard_offset:s.shard_offset + s.length]
                 s.master.grad = g if g.dtype == s.master.dtype else g.to(s.master.dtype)
+        for s in self.experts:
+            g = s.param.grad
+            s.master.grad = None if g is None else g.detach().reshape(-1).to(s.master.dtype)
         return shards
 
     def _global_norm(self) -> torch.Tensor:
         """sqrt of the sum of squares over every rank's segments; tensor-parallel-sharded parameters
-        also sum over tp (replicated ones are identical on every tp rank and count once)."""
+        also sum over tp (replicated ones are identical on every tp rank and count once); experts over
+        ep; and every pipeline stage's total over pp."""
         device = next(self._any_param()).device
-        sq = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated]
+        sq = torch.zeros(3, dtype=torch.float32, device=device)  # [tp-sharded, replicated, experts]
         for s in self._segments():
             sq[0 if tp_sharded(s.param) else 1] += s.master.grad.float().square().sum()
-        dist.all_reduce(sq, group=self.group)
+        for s in self.experts:
+            if s.master.grad is not None:
+                sq[2] += s.master.grad.float().square().sum()
+        dense = sq[:2].clone()
+        dist.all_reduce(dense, group=self.group)
+        sq[:2] = dense
         if self.tp_group is not None:
             part = sq[:1].clone()
             dist.all_reduce(part, group=self.tp_group)
             sq[0] = part[0]
-        return sq.sum().sqrt()
+        if self.expert_group is not None:
+            part = sq[2:].clone()
+            dist.all_reduce(part, group=self.expert_group)
+            sq[2] = part[0]
+        total = sq.sum()
+        if self.stage_group is not None:
+            dist.all_reduce(total, group=self.stage_group)
+        return total.sqrt()
 
     def _any_param(self):
-        return (local(p) for b in self.buckets for _, p, _ in b.params)
+        yield from (local(p) for b in self.buckets for _, p, _ in b.params)
+        yield from (s.param for s in self.experts)
 
     @torch.no_grad()
     def _all_gather_params(self, shards: list[torch.Tensor]) -> None:
@@ -218,11 +267,11 @@ class DistributedOptimizer:
             "inner": self.inner.state_dict(),
             "dp_size": self.d,
             "dp_rank": self.rank,
-            "segments": [(s.name, s.start, s.length) for s in self._segments()],
+            "segments": [(s.name, s.start, s.length) for s in self._all_segments()],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        mine = [(s.name, s.start, s.length) for s in self._segments()]
+        mine = [(s.name, s.start, s.length) for s in self._all_segments()]
         theirs = [tuple(x) for x in state["segments"]]
         if state["dp_size"] != self.d or theirs != mine:
             raise ValueError(
@@ -246,10 +295,10 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def build_parallel_optimizer(model: nn.Module, dims: ParallelDims, parallel, cfg: TrainConfig):
-    """ZeRO-1 over dp when `parallel.zero == 1` and dp > 1; otherwise the plain optimizer (which, under
-    FSDP, steps on the parameters' shards)."""
+    """ZeRO-1 over dp (x cp) when `parallel.zero == 1` and that group has more than one rank; otherwise the
+    plain optimizer (which, under FSDP, steps on the parameters' shards)."""
     from ..optim import build_optimizer
 
-    if parallel.zero == 1 and dims.dp > 1:
+    if parallel.zero == 1 and dims.dp * dims.cp > 1:
         return DistributedOptimizer(model, cfg, dims, parallel.bucket_mb)
     return build_optimizer(model, cfg)
