@@ -145,7 +145,7 @@ class PosttrainJob:
         t0 = time.perf_counter()
         groups = self.engine.generate([self.prompts[i][0] for i in ids], s.group_size, s.max_new_tokens,
                                       s.temperature, seed=self.seed * 100003 + int(ids[0]) * 7919 + self.step)
-        rewards = [[float(bool(self.reward(r.text, self.prompts[i][1]))) for r in g] for i, g in zip(ids, groups)]
+        rewards = [[float(self.reward(r.text, self.prompts[i][1])) for r in g] for i, g in zip(ids, groups)]
         return groups, rewards, time.perf_counter() - t0
 
     def _grpo_steps(self):
@@ -165,7 +165,7 @@ class PosttrainJob:
                 micro, _ = rollout_batches(groups, rewards, max(1, s.micro_batch_size), self.pad_id)
                 flat = [x for g in rewards for x in g]
                 lengths = [len(r.completion_ids) for g in groups for r in g]
-                yield micro, {"reward_mean": sum(flat) / len(flat), "accuracy": sum(x > 0 for x in flat) / len(flat),
+                yield micro, {"reward_mean": sum(flat) / len(flat), "accuracy": sum(x >= 1.0 for x in flat) / len(flat),
                               "response_length": sum(lengths) / len(lengths), "rollout_s": gen_s,
                               "weight_push_s": push_s,
                               "groups_all_same": sum(len(set(g)) == 1 for g in rewards) / len(rewards)}

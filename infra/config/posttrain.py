@@ -85,8 +85,9 @@ class DPOConfig(PosttrainStepConfig):
     global_batch_size: int = Field(16, ge=1)
     beta: float = Field(0.1, gt=0, description="strength of the implicit KL to the reference")
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo (Azar et al. 2023)")
-    preference_pairs: int = Field(256, ge=1, description="held-out pairs (each problem against its near misses) on "
-                                  "which preference accuracy is measured")
+    preference_pairs: int | None = Field(None, ge=1, description="held-out pairs (each held-out problem against its "
+                                         "6 near misses, off by 1-3) on which preference accuracy is measured; "
+                                         "None = all of them")
 
 
 class GRPOConfig(PosttrainStepConfig):
@@ -110,7 +111,9 @@ class GRPOConfig(PosttrainStepConfig):
                                                     "while step t trains (one-step-stale, seed: asynchronous RL)")
     engine: str = Field("stages.posttrain.rollout:ServingEngineRollouts",
                         description="module:factory of the rollout engine the trainer process builds")
-    reward: str = Field("stages.evaluate.task_family:check", description="module:function(answer, expected) -> bool")
+    reward: str = Field("stages.evaluate.task_family:check", description="module:function(answer, expected) -> "
+                        "bool or float in [0, 1] (1.0 = right; `accuracy` counts those): the exact checker, or "
+                        "stages.posttrain.reward:closeness (partial credit for near misses)")
 
     @model_validator(mode="after")
     def _groups(self) -> "GRPOConfig":

@@ -1,9 +1,15 @@
 """The two measurements every post-training step reports: held-out accuracy on the verifiable task
 (greedy answers from the serving engine, judged by the task family's exact checker) and preference
-accuracy (how often the model gives the right answer a higher log-likelihood than a near miss)."""
+accuracy (how often the model gives the right answer a higher log-likelihood than a near miss).
+
+Both come with their outcome per item (problem or pair, in a fixed order), so a step's change is
+judged against its noise: the binomial standard error of one accuracy, sqrt(p (1 - p) / n), and the
+paired standard error of a change on the same items, sd(after_i - before_i) / sqrt(n), which is
+smaller than the unpaired one because the items the two models agree on cancel."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -19,6 +25,29 @@ from .data import heldout, user
 from .rollout import ServingEngineRollouts
 
 
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of an accuracy p measured on n independent items."""
+    if n <= 0:
+        raise ValueError(f"standard error of an accuracy on n={n} items")
+    return math.sqrt(p * (1.0 - p) / n)
+
+
+def paired_change(before: list[bool], after: list[bool]) -> tuple[float, float]:
+    """(mean change, its standard error) of per-item outcomes measured twice on the same items."""
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired outcomes need the same non-empty items: {len(before)} before, {len(after)} after")
+    d = [float(a) - float(b) for b, a in zip(before, after)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+def outcome_bits(outcomes: list[bool]) -> str:
+    """Per-item outcomes as a '0'/'1' string (kept in posttrain.json to pair steps later)."""
+    return "".join("1" if x else "0" for x in outcomes)
+
+
 def heldout_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
                      workdir: Path, seed: int = 0) -> dict:
     """Greedy accuracy on the task's held-out problems (the same set for every step)."""
@@ -29,16 +58,18 @@ def heldout_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokeni
     prompts = [pdata.prompt_ids(tok, {"messages": user(e)}) for e in problems]
     texts = engine.greedy(prompts, task.max_new_tokens)
     correct = [check(t, e.answer) for t, e in zip(texts, problems)]
-    return {"accuracy": sum(correct) / len(correct), "n": len(correct),
+    acc = sum(correct) / len(correct)
+    return {"accuracy": acc, "n": len(correct), "se": binomial_se(acc, len(correct)), "correct": correct,
             "samples": [{"prompt": e.prompt, "expected": e.answer, "got": t} for e, t in list(zip(problems, texts))[:8]]}
 
 
 @torch.no_grad()
 def preference_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
-                        n_pairs: int, seed: int = 0) -> float:
+                        n_pairs: int | None = None, seed: int = 0) -> dict:
     """Share of held-out pairs where log p(chosen) > log p(rejected) under the model. Each held-out
     problem gives every near miss (off by 1, 2 or 3 either way) as a rejected answer, up to n_pairs
-    pairs in a fixed order, so the measure does not hang on one random wrong answer per problem."""
+    pairs (None: all of them) in a fixed order, so the measure does not hang on one random wrong
+    answer per problem. The problems are the held-out ones, never DPO's training pairs."""
     from trainer.model import Transformer
 
     tok = pdata.load_tokenizer(tokenizer_dir)
@@ -49,10 +80,11 @@ def preference_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tok
     model = Transformer(model_cfg)
     model.load_state_dict(sd)
     model.eval()
-    wins = 0
+    wins: list[bool] = []
     for start in range(0, len(pairs), 64):
         chunk = pairs[start:start + 64]
         batch = pdata.pair_batch(chunk, list(range(len(chunk))), pad)
         logps, _ = sequence_logps(model(batch.inputs), batch.targets)
-        wins += int((logps[:len(chunk)] > logps[len(chunk):]).sum())
-    return wins / len(pairs)
+        wins += (logps[:len(chunk)] > logps[len(chunk):]).tolist()
+    acc = sum(wins) / len(wins)
+    return {"accuracy": acc, "n": len(wins), "se": binomial_se(acc, len(wins)), "wins": wins}

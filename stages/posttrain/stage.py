@@ -28,7 +28,7 @@ from infra.launch.job import JobSpec
 from ..base import StageContext
 from ..export.merge import find_checkpoint, load_full_state_dict
 from ..pretrain import launch_and_wait
-from .accuracy import heldout_accuracy, preference_accuracy
+from .accuracy import heldout_accuracy, outcome_bits, paired_change, preference_accuracy
 from .data import builtin_rows, write_jsonl
 
 UPSTREAM = {"sft": "pretrain", "dpo": "posttrain-sft", "grpo": "posttrain-dpo"}
@@ -69,13 +69,15 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     scratch = ctx.workspace.path("jobs", f"posttrain-{step}-{uuid.uuid4().hex[:8]}")
     sd = load_upstream(Path(ctx.inputs[upstream]))
     before = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-before", cfg.seed)
-    summary: dict[str, Any] = {"step": step, "heldout_accuracy_before": before["accuracy"], "heldout_n": before["n"]}
+    summary: dict[str, Any] = {"step": step, "heldout_n": before["n"], **_scored("heldout_accuracy", before, "before")}
+    pref_before = None
     if step == "dpo":
-        summary["preference_accuracy_before"] = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs,
-                                                                    cfg.seed)
+        pref_before = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
+        summary.update(preference_pairs_n=pref_before["n"], **_scored("preference_accuracy", pref_before, "before"))
+    after, pref_after = before, pref_before
     if not sc.enabled:
         _save(sd, out / "model.safetensors")
-        summary.update(enabled=False, heldout_accuracy_after=before["accuracy"])
+        summary.update(enabled=False)
     else:
         data_file = write_jsonl(_training_rows(ctx, step), out / "data" / "train.jsonl")
         base = _save(sd, scratch / "base" / "model.safetensors").parent
@@ -90,16 +92,33 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
         result = launch_and_wait(ctx, spec)
         sd = load_upstream(out)
         after = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-after", cfg.seed)
-        summary.update({"steps": result.steps, "heldout_accuracy_after": after["accuracy"], "samples_after": after["samples"],
+        summary.update({"steps": result.steps, "samples_after": after["samples"],
                         **{f"train_{k}": v for k, v in result.metrics.items()}})
         if step == "dpo":
-            summary["preference_accuracy_after"] = preference_accuracy(sd, cfg.model, tok_dir, pc.task,
-                                                                       sc.preference_pairs, cfg.seed)
+            pref_after = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
+    summary.update(_scored("heldout_accuracy", after, "after"))
+    summary.update(_change("heldout_accuracy", before["correct"], after["correct"]))
+    if pref_before is not None:
+        summary.update(_scored("preference_accuracy", pref_after, "after"))
+        summary.update(_change("preference_accuracy", pref_before["wins"], pref_after["wins"]))
     shutil.rmtree(scratch, ignore_errors=True)
     (out / "posttrain.json").write_text(json.dumps(summary, indent=2))
     ctx.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
                     None)
-    return {k: v for k, v in summary.items() if k != "samples_after"}
+    return {k: v for k, v in summary.items() if k != "samples_after" and not k.endswith("_outcomes")}
+
+
+def _scored(name: str, m: dict, when: str) -> dict[str, Any]:
+    """An accuracy with its binomial standard error, count and per-item outcomes (to pair steps later)."""
+    outcomes = m["correct"] if "correct" in m else m["wins"]
+    return {f"{name}_{when}": m["accuracy"], f"{name}_{when}_se": m["se"], f"{name}_{when}_count": sum(outcomes),
+            f"{name}_{when}_outcomes": outcome_bits(outcomes)}
+
+
+def _change(name: str, before: list[bool], after: list[bool]) -> dict[str, float]:
+    """after - before on the same items and its paired standard error (the noise a real gain must clear)."""
+    gain, se = paired_change(before, after)
+    return {f"{name}_gain": gain, f"{name}_gain_se": se}
 
 
 def run_sft(ctx: StageContext) -> dict[str, Any]:

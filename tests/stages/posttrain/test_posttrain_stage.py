@@ -46,6 +46,11 @@ def test_three_steps_end_to_end(tmp_path):
     for step in ("sft", "dpo", "grpo"):
         summary = json.loads((out / step / "posttrain.json").read_text())
         assert summary["heldout_n"] == 8 and 0 <= summary["heldout_accuracy_after"] <= 1
+        bits_before, bits_after = summary["heldout_accuracy_before_outcomes"], summary["heldout_accuracy_after_outcomes"]
+        assert len(bits_before) == len(bits_after) == 8 and summary["heldout_accuracy_after_count"] == bits_after.count("1")
+        gains = [int(a) - int(b) for b, a in zip(bits_before, bits_after)]
+        assert summary["heldout_accuracy_gain"] == pytest.approx(sum(gains) / 8)
+        assert summary["heldout_accuracy_gain_se"] >= 0 and summary["heldout_accuracy_after_se"] >= 0
         assert (out / step / "data" / "train.jsonl").is_file()
         assert json.loads((out / step / "result.json").read_text())["status"] == "completed"
         sd = load_full_state_dict(find_checkpoint(out / step))  # what the next step and export read
@@ -57,5 +62,7 @@ def test_three_steps_end_to_end(tmp_path):
     grpo = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert len(grpo) == 2 and {"reward_mean", "accuracy", "kl", "response_length", "rollout_s", "train_s"} <= set(grpo[-1])
     assert "preference_accuracy_before" in result["dpo"] and "preference_accuracy_after" in result["dpo"]
+    assert result["dpo"]["preference_pairs_n"] == 16 and "preference_accuracy_gain_se" in result["dpo"]
+    assert not any(k.endswith("_outcomes") for k in result["dpo"])  # per-item outcomes stay in posttrain.json
     assert any("heldout_accuracy_after" in m for m in logged)
     assert (out / "model.safetensors").is_file()
