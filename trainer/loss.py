@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear_cross_entropy import linear_cross_entropy_sum
 from .model.moe import MoE
 
 IGNORE_INDEX = -100
@@ -54,6 +55,32 @@ def cross_entropy_sum(
     else:
         z_sum = torch.zeros((), device=logits.device)
     return TokenLoss(ce_sum=ce_sum, z_sum=z_sum, tokens=mask.sum())
+
+
+class HeadLoss:
+    """The LM head and the token loss as one step, passed to the model as `model(tokens, head=...)`.
+
+    When the head is a plain linear layer on ordinary tensors, the fused kernel runs
+    (trainer/linear_cross_entropy.py: chunked, no fp32 logits, same sums); otherwise (tensor-parallel
+    DTensor weights, a wrapped or hooked head) the logits are computed by the head module itself and
+    go through `cross_entropy_sum`, vocab-parallel included."""
+
+    def __init__(self, targets: torch.Tensor, z_loss: float = 0.0, ignore_index: int = IGNORE_INDEX):
+        self.targets, self.z_loss, self.ignore_index = targets, z_loss, ignore_index
+
+    def __call__(self, hidden: torch.Tensor, lm_head: nn.Module) -> TokenLoss:
+        if can_fuse_head(lm_head, hidden):
+            ce_sum, z_sum, tokens = linear_cross_entropy_sum(hidden, lm_head.weight, self.targets, self.z_loss,
+                                                             self.ignore_index)
+            return TokenLoss(ce_sum=ce_sum, z_sum=z_sum, tokens=tokens)
+        return cross_entropy_sum(lm_head(hidden), self.targets, self.z_loss, self.ignore_index)
+
+
+def can_fuse_head(lm_head: nn.Module, hidden: torch.Tensor) -> bool:
+    """A bias-free nn.Linear with no hooks, on plain (not DTensor) weight and input."""
+    return (type(lm_head) is nn.Linear and lm_head.bias is None
+            and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
+            and not hasattr(lm_head.weight, "placements") and not hasattr(hidden, "placements"))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -15,6 +15,7 @@ from torch import nn
 
 from infra.config.model import ModelConfig
 
+from .kernels import rms_norm
 from .moe import MLP, MoE
 
 
@@ -37,8 +38,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return out.to(compute_dtype(x))
+        return rms_norm(x, self.weight, self.eps, compute_dtype(x))  # kernels.py: the backward in closed form
 
 
 def rope_cos_sin(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +66,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v; q [B, H, S, d], k/v [B, K, S, d] -> [B, H, S, d].
-    enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying.
+
+    On CPU, bf16/fp16 inputs are attended in fp32 and the result cast back: torch's CPU flash-attention
+    kernel runs about 2x faster forward + backward in fp32 than in bf16 at the head sizes of small
+    models (benchmarks/train_throughput.py), and fp32 is the more precise of the two. The casts touch
+    only q, k, v and the output, a small fraction of the [B, H, S, S] work."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back down
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
+        return y.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -159,7 +169,11 @@ class Transformer(nn.Module):
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, head=None):
+        """`head`, when given, is called as head(hidden, lm_head) in place of lm_head(hidden) and its
+        result returned: a loss can then fuse the LM head with itself (trainer/loss.py HeadLoss) and
+        never hold the full logits, while the head still runs inside this forward (where data- and
+        tensor-parallel wrappers expect the model's parameters to be used)."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # [B, S, D]
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)  # h may be a sequence shard (SP)
@@ -170,6 +184,10 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
+        if head is not None:
+            if self.lm_head is None:
+                raise ValueError("head= given to a model part without an LM head (a pipeline stage before the last)")
+            return head(h, self.lm_head)
         if self.lm_head is not None:
             h = self.lm_head(h)  # [B, S, V]
         return h

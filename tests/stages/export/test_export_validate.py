@@ -50,7 +50,16 @@ def test_correct_bf16_export_passes(tmp_path, checked):
     write_hf(sd, cfg, tmp_path, dtype="bfloat16")
     rep = run_check(tmp_path, checked)
     enforce([rep])
-    assert rep.max_logit_diff < 0.02 and rep.greedy_agreement == 1.0
+    # bf16 rounding of the weights moves logits by ~2^-9 relative: a near-tie in the tiny model's flat
+    # logits may flip one greedy token (and the continuation after it), so agreement is the product's bar
+    assert rep.max_logit_diff < 0.02 and rep.greedy_agreement >= ExportConfig().thresholds["hf"].min_greedy_agreement
+
+
+def test_correct_fp32_export_is_exact(tmp_path, checked):
+    cfg, sd, _, _ = checked
+    write_hf(sd, cfg, tmp_path, dtype="float32")
+    rep = run_check(tmp_path, checked)
+    assert rep.max_logit_diff < 1e-4 and rep.greedy_agreement == 1.0
 
 
 def test_transposed_shard_is_caught(tmp_path, checked):
