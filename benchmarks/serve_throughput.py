@@ -2,7 +2,9 @@
 Hugging Face `generate` (one request at a time, and static batches of 32) on the same checkpoint
 and prompts, plus speculative decoding on repetitive code prompts. One JSON line per figure.
 
-    python -m benchmarks.serve_throughput [MODEL_DIR]   (default: a tiny checkpoint trained briefly on code)
+    python -m benchmarks.serve_throughput [MODEL_DIR] [--stream-interval N] [--serve-speculative ngram]
+        (default: a tiny checkpoint trained briefly on code; the engine streams every token and the
+        served load does not speculate)
 """
 
 from __future__ import annotations
@@ -13,9 +15,20 @@ from stages.serve.bench import bench_serve_command
 
 
 def main(argv: list[str]) -> int:
-    model_dir = argv[0] if argv else None
-    return bench_serve_command(model_dir, num_prompts=192, concurrency=32, input_len=64, output_len=128,
-                               range_ratio=0.75, baseline="hf", speculative=True)
+    import argparse
+
+    p = argparse.ArgumentParser(prog="serve_throughput")
+    p.add_argument("model_dir", nargs="?", default=None)
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="engine option: hand tokens out N at a time (default 1, every token)")
+    p.add_argument("--serve-speculative", choices=["ngram"], default=None,
+                   help="the served load speculates too (greedy output unchanged; HF's baseline does not)")
+    ns = p.parse_args(argv)
+    opts = {"stream_interval": ns.stream_interval} if ns.stream_interval else {}
+    if ns.serve_speculative:
+        opts["serve_speculative"] = ns.serve_speculative
+    return bench_serve_command(ns.model_dir, num_prompts=192, concurrency=32, input_len=64, output_len=128,
+                               range_ratio=0.75, baseline="hf", speculative=True, **opts)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import AsyncIterator, Sequence
 
 from .engine import LLMEngine, RequestOutput
@@ -112,4 +113,8 @@ class AsyncEngine:
                     q.put_nowait(o)
                     if o.finished:
                         del self._queues[o.request_id]
+            # let other threads of the process run (a client or another replica in the same process):
+            # a step holds the GIL for most of its Python bookkeeping, and without a blocking call
+            # here the next step starts before a waiting thread is scheduled
+            time.sleep(0)
             await asyncio.sleep(0)  # one turn of the loop: stream these tokens, take new requests

@@ -327,6 +327,7 @@ def bench_serve_command(
     cache_dir: str | None = None,
     in_process: bool = True,
     rounds: int = 3,
+    serve_speculative: str | None = None,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
@@ -360,6 +361,8 @@ def bench_serve_command(
         print("need MODEL_DIR for its tokenizer", file=sys.stderr)
         return 2
     engine_options.setdefault("max_num_seqs", max(concurrency or 0, 64))
+    if serve_speculative:  # the served load itself speculates (same greedy output); labelled in its line
+        engine_options.update(speculative=serve_speculative, num_speculative_tokens=num_speculative_tokens)
     # Rounds, each on fresh prompts (no prefix-cache carry-over), run the served load, the in-process
     # engine and the baselines back to back; ratios are taken within a round and the median round is
     # reported, so load from other processes on a shared machine skews a ratio less than a figure.
@@ -406,7 +409,7 @@ def bench_serve_command(
     summary = median_round("serve")
     emit({"figure": "serve", "model": model, "num_prompts": num_prompts, "concurrency": concurrency,
           "request_rate": request_rate, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
-          "rounds": rounds, **summary,
+          "rounds": rounds, "engine_options": {k: v for k, v in engine_options.items() if v is not None}, **summary,
           "rounds_output_tokens_per_s": [r["serve"]["output_tokens_per_s"] for r in rounds_out]})
     failed = sum(r["serve"]["failed"] for r in rounds_out)
     if failed:
@@ -435,7 +438,8 @@ def bench_serve_command(
                 line["rounds_engine_in_process_ratio"] = eratios
             emit(line)
     if speculative:
-        opts = {k: v for k, v in engine_options.items() if k not in ("max_num_seqs",)}
+        opts = {k: v for k, v in engine_options.items()
+                if k not in ("max_num_seqs", "speculative", "num_speculative_tokens")}
         for d in spec_benchmark(model_dir, draft_model_dir, spec_prompts, spec_output_len, num_speculative_tokens, **opts):
             emit(d)
     if out:

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from .decode_slots import DecodeSlots
+from .gguf_loader import find_gguf
 from .kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
@@ -67,6 +69,13 @@ class EngineConfig:
     """Waiting requests beyond which the server answers 429."""
     served_model_name: str | None = None
     """Name in /v1/models; default the folder name."""
+    stream_interval: int = 1
+    """Hand a running request's new tokens out once this many have accumulated (the first token and
+    the last are handed out at once; requests with stop strings stream every token). Larger values
+    trade streaming smoothness for less per-token host work (vLLM's --stream-interval)."""
+    decode_slots: bool = True
+    """Decoding requests also keep their K/V in one contiguous row each, read in place by decode
+    attention instead of gathered from blocks every step (off with an FP8 cache or speculation)."""
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -85,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model_dir:
             raise ValueError("speculative='draft' needs draft_model_dir")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.speculative and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
@@ -145,8 +156,9 @@ class LLMEngine:
 
         self.config = c = config or EngineConfig()
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").exists():
-            raise FileNotFoundError(f"{self.model_dir} is not a Hugging Face checkpoint folder (no config.json)")
+        if not (self.model_dir / "config.json").exists() and find_gguf(self.model_dir) is None:
+            raise FileNotFoundError(f"{self.model_dir} is neither a Hugging Face checkpoint folder (no config.json) "
+                                    "nor a folder with a GGUF file")
         self.model_name = c.served_model_name or self.model_dir.name
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(self.model_dir))
         dtype = DTYPES[c.dtype]
@@ -172,7 +184,10 @@ class LLMEngine:
         self.cache = KVCacheTensors(shape, num_blocks, c.block_size, dtype, self.model.device, fp8=fp8)
         k = c.num_speculative_tokens if c.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, k, self.max_model_len), self.kv)
-        self.runner = ModelRunner(self.model, self.cache, self.kv)
+        slots = None
+        if c.decode_slots and not fp8 and not c.speculative:
+            slots = DecodeSlots(shape, c.max_num_seqs, self.max_model_len, dtype, self.model.device)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, slots)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if c.speculative == "ngram":
             self.proposer = NgramProposer(k, c.ngram_max, c.ngram_min, self.max_model_len)
@@ -188,6 +203,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._last_prefix = (0, 0)
         self.num_steps = 0
+        self._emitted: dict[str, int] = {}  # output tokens handed out so far, per request
 
     # -- requests --------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
@@ -232,6 +248,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
+        self._emitted.pop(request_id, None)
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
             self.metrics.requests.inc(model=self.model_name, finish_reason="abort")
@@ -241,33 +258,45 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     # -- one step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream_interval: int | None = None) -> list[RequestOutput]:
+        """One engine step; outputs of the requests that got tokens (or finished), subject to
+        `stream_interval` (default: the config's)."""
+        interval = stream_interval or self.config.stream_interval
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.metrics.preemptions.inc(len(sched.preempted), model=self.model_name)
         results = self.runner.execute(sched)
-        before = {s.request.request_id: s.request.num_tokens for s in sched.scheduled}
         self.scheduler.update_from_output(sched, results)
         self.num_steps += 1
         outputs = []
         now = time.monotonic()
         m, name = self.metrics, self.model_name
+        emitted = self._emitted
         for s in sched.scheduled:
             req = s.request
-            new = req.num_tokens - before[req.request_id]
-            if new == 0 and not req.is_finished:
-                continue
-            if new and req.num_output_tokens == new:  # the request's first tokens
+            rid = req.request_id
+            if s.spec_token_ids and results.get(rid) and results[rid].sampled:
+                m.spec_proposed.inc(len(s.spec_token_ids), model=name)
+                m.spec_accepted.inc(len(results[rid].sampled) - 1, model=name)
+            done = emitted.get(rid, 0)
+            new = req.num_output_tokens - done
+            if not req.is_finished and (new == 0 or (done and new < interval and not req.params.stop)):
+                continue  # nothing new, or buffered until `interval` tokens have accumulated
+            if req.is_finished:
+                emitted.pop(rid, None)
+            else:
+                emitted[rid] = done + new
+            if new and not done:  # the request's first tokens
                 m.ttft.observe(now - req.arrival_time, model=name)
                 m.queue.observe((req.first_scheduled_time or now) - req.arrival_time, model=name)
             elif new:
                 m.itl.observe((now - (req.last_emit_time or now)) / new, model=name)
             req.last_emit_time = now
             m.generation_tokens.inc(new, model=name)
-            if s.spec_token_ids and results.get(req.request_id) and results[req.request_id].sampled:
-                m.spec_proposed.inc(len(s.spec_token_ids), model=name)
-                m.spec_accepted.inc(len(results[req.request_id].sampled) - 1, model=name)
-            outputs.append(self._output(req, new))
+            out = self._output(req, new)
+            if out.finished:  # also a stop string found just now
+                emitted.pop(rid, None)
+            outputs.append(out)
         queries, hits = self.kv.stats.queries, self.kv.stats.hits
         m.prefix_queries.inc(queries - self._last_prefix[0], model=name)
         m.prefix_hits.inc(hits - self._last_prefix[1], model=name)
@@ -333,7 +362,7 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
-            for o in self.step():
+            for o in self.step(stream_interval=1 << 30):  # only final outputs are wanted here
                 if o.finished:
                     final[o.request_id] = o
         return [final[i] for i in ids]

@@ -150,6 +150,7 @@ class PrefixCacheStats:
 @dataclass
 class _RequestBlocks:
     blocks: list[Block] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # block ids of `blocks`, kept alongside: read every step
     hashes: list[bytes] = field(default_factory=list)  # hashes of its leading full blocks
 
 
@@ -167,8 +168,9 @@ class KVCacheManager:
 
     # -- queries ---------------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: callers must not modify it)."""
         r = self.req.get(request_id)
-        return [b.block_id for b in r.blocks] if r else []
+        return r.ids if r else []
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -223,9 +225,12 @@ class KVCacheManager:
             r = self.req[request_id] = _RequestBlocks()
             self.pool.touch(computed_blocks)
             r.blocks.extend(computed_blocks)
+            r.ids.extend(b.block_id for b in computed_blocks)
             r.hashes.extend(b.block_hash for b in computed_blocks)  # type: ignore[misc]
         if need > 0:
-            r.blocks.extend(self.pool.get_new_blocks(need))
+            new = self.pool.get_new_blocks(need)
+            r.blocks.extend(new)
+            r.ids.extend(b.block_id for b in new)
         return True
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:

@@ -19,6 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .gguf_loader import find_gguf, load_gguf
+from .quant_linear import take_quantized
+
 FP8_MAX = 448.0  # largest finite float8 e4m3 value
 
 
@@ -100,6 +103,7 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [S, Bmax] block ids (padding: 0, masked out)
     mask: torch.Tensor  # [1, S, Qmax*group, Bmax*block_size] bool: key visible to query row
     row_range: tuple[int, int] | None = None  # set when the group's rows are one contiguous run, all Q equal
+    dense: object | None = None  # decode_slots.DenseStep: K/V read in place from decode slots, not gathered
 
 
 @dataclass
@@ -107,6 +111,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of each token
     positions: torch.Tensor  # [T] position of each token in its sequence
     groups: list[AttentionGroup]
+    dense: object | None = None  # decode_slots.DenseStep: these rows' K/V also go to their decode slots
 
 
 def build_attention_metadata(
@@ -287,6 +292,10 @@ class PagedLlama:
                         device: str | torch.device = "cpu") -> "PagedLlama":
         model_dir = Path(model_dir)
         cfg_path = model_dir / "config.json"
+        gguf_file = None if cfg_path.exists() else find_gguf(model_dir)
+        if gguf_file is not None:  # a llama.cpp file: shape from its metadata, Q8_0/Q4_0 kept in blocks
+            conf, sd = load_gguf(gguf_file, dtype)
+            return cls(LlamaShape.from_hf_config(conf), sd, dtype, torch.device(device))
         if not cfg_path.exists():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint folder (no config.json)")
         shape = LlamaShape.from_hf_config(json.loads(cfg_path.read_text()))
@@ -296,9 +305,13 @@ class PagedLlama:
         """(Re)load weights with HF names; missing or misshapen tensors fail naming the tensor."""
         s = self.shape
         sd = {k.removeprefix("module."): v for k, v in sd.items()}
+        quantized = take_quantized(sd, self.dtype)  # INT4 packs and GGUF blocks stay quantized (quant_linear.py)
         sd = dequantize_state_dict(sd, self.dtype)
+        sd.update(quantized)
 
         def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+            if name in quantized and (shape is None or tuple(quantized[name].shape) == shape):
+                return quantized[name].to(device=self.device)
             if name not in sd:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
             t = sd[name]
@@ -366,9 +379,12 @@ class PagedLlama:
                 k = k * cos + _rotate_half(k) * sin
             # write first, then read: every sequence sees this step's K/V of its own earlier tokens
             cache.write(li, meta.slot_mapping, k, v)
+            if meta.dense is not None:
+                meta.dense.write(li, k, v)
             attn = torch.empty(T, nh, d, dtype=x.dtype, device=x.device)
             for g in meta.groups:
-                kk, vv = cache.gather(li, g.block_tables)  # [kvh, S, K, d]
+                # [kvh, S, K, d]: read in place from decode slots, or gathered through the block tables
+                kk, vv = g.dense.read(li) if g.dense is not None else cache.gather(li, g.block_tables)
                 S, Q = g.token_index.shape
                 # GQA without repeating K/V: the `group` query heads sharing a KV head become extra
                 # query rows of that head, [kvh, S, Q*group, d] (HF's repeat_kv: head h uses kv h // group)

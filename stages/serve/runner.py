@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .decode_slots import DecodeSlots, run_with_slots
 from .kv_cache import KVCacheManager
 from .model import KVCacheTensors, PagedLlama, run_paged
 from .sampling import Sampler, TokenLogprob, token_logprobs
@@ -18,16 +19,21 @@ from .speculative import rejection_sample
 
 
 class ModelRunner:
-    def __init__(self, model: PagedLlama, cache: KVCacheTensors, kv: KVCacheManager):
+    def __init__(self, model: PagedLlama, cache: KVCacheTensors, kv: KVCacheManager,
+                 slots: DecodeSlots | None = None):
         self.model = model
         self.cache = cache
         self.kv = kv
+        self.slots = slots  # 1-token decodes attend over contiguous rows (decode_slots.py) when set
         self.sampler = Sampler()
 
     def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
         if not out.scheduled:
             return {}
-        seqs, rows, plans = [], [], []
+        seqs, rows, plans, slot_ids = [], [], [], []
+        slots = self.slots
+        if slots is not None:
+            slots.release_stale()
         for s in out.scheduled:
             req = s.request
             end = s.start + s.num_new_tokens
@@ -47,10 +53,23 @@ class ModelRunner:
                 first = req.num_tokens - 1 - s.start
                 n_sample_rows = s.num_new_tokens - first
                 want.extend(range(first, s.num_new_tokens))
-            seqs.append((self.kv.block_ids(req.request_id), s.start, toks))
+            block_ids = self.kv.block_ids(req.request_id)
+            seqs.append((block_ids, s.start, toks))
             rows.append(want)
             plans.append((s, prompt_rows, n_sample_rows))
-        logits = run_paged(self.model, self.cache, seqs, rows)
+            if slots is not None:
+                slot = slots.slot_of.get(req.request_id)
+                if s.num_new_tokens != 1 or s.spec_token_ids:
+                    if slot is not None:  # its row would miss these tokens' K/V
+                        slots.release(req.request_id)
+                    slot = None
+                elif slot is None:
+                    slot = slots.assign(req, self.cache, block_ids, s.start)
+                slot_ids.append(slot)
+        if slots is not None:
+            logits = run_with_slots(self.model, self.cache, slots, seqs, rows, slot_ids)
+        else:
+            logits = run_paged(self.model, self.cache, seqs, rows)
 
         results: dict[str, StepResult] = {}
         plain_rows, plain_reqs = [], []

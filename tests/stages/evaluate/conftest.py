@@ -38,8 +38,8 @@ def write_fp8_variant(src: Path, dst: Path) -> None:
 
 @pytest.fixture(scope="session")
 def export_dir(tiny_hf_model_dir, tmp_path_factory) -> Path:
-    """hf/ plus quantized variants in the export stage's layouts, written with its own functions: FP8
-    (which the engine loads), packed INT4 and GGUF Q8_0 (which it does not: they run dequantized)."""
+    """hf/ plus quantized variants in the export stage's layouts, written with its own functions: FP8,
+    packed INT4 and GGUF Q8_0, each loaded by the engine from its own files."""
     import json
 
     from safetensors.torch import save_file
@@ -65,6 +65,9 @@ def export_dir(tiny_hf_model_dir, tmp_path_factory) -> Path:
     gguf = root / "quantized" / "gguf-q8_0"
     gguf.mkdir(parents=True)
     write_gguf(from_hf_state_dict(tensors, cfg, arch), cfg, gguf / "model.gguf", "gguf-q8_0", tokenizer_dir=hf)
+    for f in hf.iterdir():  # the export stage copies the tokenizer beside model.gguf too
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, gguf / f.name)
     return root
 
 
