@@ -8,7 +8,9 @@ A split folder (`train/`, `val/`) holds:
   index.json             {"format": "eightfold-packed-v1", "seq_len", "dtype", "vocab_size", "eos_id",
                           "rows", "tokens", "documents", "shards": [{"file", "docs", "rows"}]}
 Documents are concatenated with EOS after each one; the tail that does not fill a row is dropped
-(and counted in the index as `dropped_tokens`).
+(and counted in the index as `dropped_tokens`). A train split packed source by source also lists
+`"sources": [{"name", "start", "end"}]`: contiguous row ranges that tile the split, which the loader
+samples with data-mixture weights (trainer/data.py).
 """
 
 from __future__ import annotations

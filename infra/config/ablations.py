@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .base import Section
+from .train import check_weights
 
 
 class ProxySize(Section):
@@ -25,12 +26,26 @@ class ProxySize(Section):
     n_layers: int | None = Field(None, ge=1, description="explicit depth (overrides `depth`)")
 
 
+class MixtureConfig(Section):
+    """A named data mixture: weights over `data.sources` names (relative shares of training rows; a source
+    left out gets 0)."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="label in proxy names, plots and choice.json")
+    weights: dict[str, float] = Field(..., description="source name -> weight >= 0, not all 0")
+
+    @model_validator(mode="after")
+    def _weights(self) -> "MixtureConfig":
+        check_weights(f"ablations.sweep.mixtures[{self.name}].weights", self.weights)
+        return self
+
+
 class SweepPoint(Section):
     """One explicit point of a `mode: list` sweep; unset axes take the pretrain value."""
 
     lr: float | None = Field(None, gt=0)
     global_batch_size: int | None = Field(None, ge=1)
     schedule: Literal["cosine", "wsd", "constant"] | None = None
+    mixture: str | None = Field(None, description="name of one of `sweep.mixtures`")
 
 
 class SweepConfig(Section):
@@ -40,6 +55,10 @@ class SweepConfig(Section):
     lr: list[float] = Field(default_factory=list, description="peak learning rates")
     global_batch_size: list[int] = Field(default_factory=list, description="sequences per optimizer step")
     schedule: list[Literal["cosine", "wsd", "constant"]] = Field(default_factory=list)
+    mixtures: list[MixtureConfig] = Field(
+        default_factory=list,
+        description="data mixtures (grid: crossed with the other axes; list: named by points); empty: pretrain's",
+    )
     points: list[SweepPoint] = Field(default_factory=list, description="mode=list: explicit points")
 
     @model_validator(mode="after")
@@ -52,6 +71,12 @@ class SweepConfig(Section):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"ablations.sweep.{name}={values}: repeated values")
+        names = [m.name for m in self.mixtures]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ablations.sweep.mixtures: repeated names {sorted({n for n in names if names.count(n) > 1})}")
+        missing = sorted({p.mixture for p in self.points if p.mixture is not None} - set(names))
+        if missing:
+            raise ValueError(f"ablations.sweep.points name mixture(s) {missing} not in ablations.sweep.mixtures {names}")
         if self.mode == "list" and not self.points:
             raise ValueError("ablations.sweep.mode=list needs `points`")
         if self.mode == "grid" and self.points:
@@ -83,8 +108,8 @@ class AblationsConfig(Section):
         None, ge=1, description="proxies trained at once; default: CPU cores / threads_per_proxy (1 on a GPU machine)"
     )
     threads_per_proxy: int = Field(1, ge=1, description="OMP threads of each CPU proxy job")
-    use_ablations: bool = Field(True, description="pretrain takes the chosen lr and batch size from choice.json")
-    pinned: list[Literal["lr", "global_batch_size", "schedule"]] = Field(
+    use_ablations: bool = Field(True, description="pretrain takes the chosen lr, batch size, schedule and data mixture from choice.json")
+    pinned: list[Literal["lr", "global_batch_size", "schedule", "data_mixture"]] = Field(
         default_factory=list, description="pretrain values kept as configured even when use_ablations is on"
     )
     lr_transfer: Literal["extrapolate", "largest"] = Field(
@@ -108,3 +133,14 @@ class AblationsConfig(Section):
         if self.max_steps is not None and self.max_steps < self.min_steps:
             raise ValueError(f"ablations.max_steps={self.max_steps} is below min_steps={self.min_steps}")
         return self
+
+
+def check_mixture_sources(ablations: AblationsConfig, data_sources: list[str], pretrain_mixture: dict | None) -> None:
+    """Every mixture weight names a `data.sources` entry (called by the root config's cross-section check)."""
+    named = [(f"ablations.sweep.mixtures[{m.name}]", m.weights) for m in ablations.sweep.mixtures]
+    if pretrain_mixture is not None:
+        named.append(("pretrain.data_mixture", pretrain_mixture))
+    for field, weights in named:
+        unknown = sorted(set(weights) - set(data_sources))
+        if unknown:
+            raise ValueError(f"{field}: unknown source name(s) {unknown}; data.sources names {data_sources}")

@@ -1,8 +1,8 @@
 """`choice.json`: what the ablations chose, and how pretrain takes it.
 
-Pretrain adopts the chosen learning rate, batch size and schedule unless `ablations.use_ablations` is
-off or `ablations.pinned` names the field; it reports the predicted final validation loss next to the
-measured one (seed: "The big run should hold no surprises").
+Pretrain adopts the chosen learning rate, batch size, schedule and data mixture unless
+`ablations.use_ablations` is off or `ablations.pinned` names the field; it reports the predicted final
+validation loss next to the measured one (seed: "The big run should hold no surprises").
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from infra.config import LifecycleConfig
 
 CHOICE_FILE = "choice.json"
-ADOPTED = ("lr", "global_batch_size", "schedule")
+ADOPTED = ("lr", "global_batch_size", "schedule", "data_mixture")
 
 
 def read_choice(folder: str | Path) -> dict[str, Any]:

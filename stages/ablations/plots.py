@@ -1,5 +1,6 @@
-"""The two pictures of a sweep: final validation loss against learning rate per proxy size (with the
-chosen best), and loss against compute with the fitted power law and the predicted pretrain point."""
+"""The pictures of a sweep: final validation loss against learning rate per proxy size (with the
+chosen best), loss against compute with the fitted power law and the predicted pretrain point, and
+(with a mixture axis) the loss of each data mixture per size."""
 
 from __future__ import annotations
 
@@ -68,6 +69,39 @@ def plot_loss_vs_compute(C: list[float], L: list[float], labels: list[str], fit,
     ax.set_ylabel("final validation loss")
     ax.set_title("Scaling law over the proxies")
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path) -> Path:
+    """rows: {"size", "tokens", "mixture", "loss"} (each mixture at its best lr); grouped bars per size."""
+    plt = _pyplot()
+    label = lambda m: m if m is not None else "pretrain"  # noqa: E731
+    mixtures = sorted({label(r["mixture"]) for r in rows})
+    groups = sorted({(r["params"], r["tokens"], r["size"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    width = 0.8 / max(1, len(mixtures))
+    for j, m in enumerate(mixtures):
+        xs, ys = [], []
+        for i, (n, d, size) in enumerate(groups):
+            hit = [r["loss"] for r in rows if label(r["mixture"]) == m and (r["params"], r["tokens"]) == (n, d)]
+            if hit:
+                xs.append(i + (j - (len(mixtures) - 1) / 2) * width)
+                ys.append(hit[0])
+        star = " (chosen)" if m == label(chosen) else ""
+        ax.bar(xs, ys, width=width, label=m + star, hatch="//" if star else None)
+    finite = [r["loss"] for r in rows if math.isfinite(r["loss"])]
+    if finite:
+        lo, hi = min(finite), max(finite)
+        ax.set_ylim(lo - 0.15 * (hi - lo + 1e-3), hi + 0.15 * (hi - lo + 1e-3))
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{size}\nD={d:.3g}" for _, d, size in groups], fontsize=8)
+    ax.set_ylabel("final validation loss (best lr)")
+    ax.set_title("Proxy sweep: loss per data mixture (hatched: chosen)")
+    ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

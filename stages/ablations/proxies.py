@@ -85,7 +85,7 @@ class ProxyPoint:
     tokens: int  # D = steps x global batch x seq_len
     flops: float  # C
     budget: int = 0  # the nominal token budget D was rounded from (groups points across batch sizes)
-    axes: dict = field(default_factory=dict)  # lr, global_batch_size, schedule
+    axes: dict = field(default_factory=dict)  # lr, global_batch_size, schedule, mixture (a name or None)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,15 +101,25 @@ def _steps_for(budget: float, tokens_per_step: int, lo: int, hi: int | None) -> 
 
 
 def sweep_settings(cfg: LifecycleConfig) -> list[dict[str, Any]]:
-    """The axis values of every point (before crossing with sizes and budgets)."""
+    """The axis values of every point (before crossing with sizes and budgets). `mixture` is the name of
+    one of `ablations.sweep.mixtures`, or None for pretrain's own (`pretrain.data_mixture`)."""
     sweep, t = cfg.ablations.sweep, cfg.pretrain
     if sweep.mode == "list":
         return [{"lr": p.lr or t.lr, "global_batch_size": p.global_batch_size or t.global_batch_size,
-                 "schedule": p.schedule or t.schedule} for p in sweep.points]
+                 "schedule": p.schedule or t.schedule, "mixture": p.mixture} for p in sweep.points]
     lrs = sweep.lr or [t.lr]
     batches = sweep.global_batch_size or [t.global_batch_size]
     schedules = sweep.schedule or [t.schedule]
-    return [{"lr": lr, "global_batch_size": b, "schedule": s} for lr, b, s in itertools.product(lrs, batches, schedules)]
+    mixtures = [m.name for m in sweep.mixtures] or [None]
+    return [{"lr": lr, "global_batch_size": b, "schedule": s, "mixture": m}
+            for lr, b, s, m in itertools.product(lrs, batches, schedules, mixtures)]
+
+
+def mixture_weights(cfg: LifecycleConfig, name: str | None) -> dict[str, float] | None:
+    """The weights a point trains with: the named sweep mixture, or pretrain's own (None: the packed mix)."""
+    if name is None:
+        return cfg.pretrain.data_mixture
+    return dict(next(m.weights for m in cfg.ablations.sweep.mixtures if m.name == name))
 
 
 def proxy_train(cfg: LifecycleConfig, steps: int, axes: dict[str, Any]) -> TrainConfig:
@@ -121,6 +131,7 @@ def proxy_train(cfg: LifecycleConfig, steps: int, axes: dict[str, Any]) -> Train
     return TrainConfig.model_validate({
         **t.model_dump(), "steps": steps, "lr": float(axes["lr"]), "global_batch_size": gbs, "micro_batch_size": micro,
         "schedule": axes["schedule"], "warmup_steps": warmup, "eval_every": 0,
+        "data_mixture": mixture_weights(cfg, axes.get("mixture")),
         "eval_batches": cfg.ablations.eval_batches or t.eval_batches,
         "checkpoint": {**t.checkpoint.model_dump(), "every": 0, "async_save": False},
     })
@@ -145,6 +156,8 @@ def plan_sweep(cfg: LifecycleConfig) -> list[ProxyPoint]:
             train = proxy_train(cfg, steps, axes)
             tokens = steps * per_step
             name = f"{label}-t{tokens}-lr{axes['lr']:.3g}-b{axes['global_batch_size']}-{axes['schedule']}"
+            if axes.get("mixture") is not None:
+                name += f"-m{axes['mixture']}"
             points.append(ProxyPoint(name=name, size=label, model=m.model_dump(mode="json"),
                                      train=train.model_dump(mode="json"), params=n, tokens=tokens,
                                      flops=train_flops_per_token(m, seq) * tokens, budget=round(budget),
@@ -168,4 +181,6 @@ def proxy_config(cfg: LifecycleConfig, point: ProxyPoint) -> LifecycleConfig:
 def proxy_section(cfg: LifecycleConfig, point: ProxyPoint) -> dict:
     """What a proxy's fingerprint hashes: everything that changes its result and nothing else, so a
     widened sweep re-uses every proxy it already trained."""
-    return {"seed": cfg.seed, "model": point.model, "train": point.train, "device": cfg.infra.device}
+    # data_mixture joins the hash only when set, so proxies trained before the field existed stay cached.
+    train = {k: v for k, v in point.train.items() if not (k == "data_mixture" and v is None)}
+    return {"seed": cfg.seed, "model": point.model, "train": train, "device": cfg.infra.device}

@@ -1,10 +1,11 @@
 """Train one proxy as a trainer job through the configured launcher, cached by its own fingerprint.
 
-A proxy is committed as the artifact `ablations/proxy/<fingerprint>` (the fingerprint hashes the
-proxy's model, training section and seed, and the `tokens` fingerprint), with its figures in the
-manifest. So a widened sweep trains only the new points, and an interrupted sweep resumes where it
-stopped. Each trained proxy gets its own MLflow run nested under the ablations stage's run: params,
-the trainer's loss curve (rank 0 logs into it) and the final validation loss, side by side in the UI.
+A proxy is committed as the artifact `ablations/proxy/<fingerprint>` (the fingerprint hashes the proxy's
+model, training section and seed, and the `tokens` fingerprint), with its figures in the manifest (a data
+mixture is part of the training section, so it is hashed too). So a widened sweep trains only the new
+points, and an interrupted sweep resumes where it stopped. Each trained proxy gets its own MLflow run
+nested under the ablations stage's run: params, the trainer's loss curve (rank 0 logs into it) and the
+final validation loss, side by side in the UI.
 
 A run that ends `diverged` (a learning rate too high) is a result, not an error: it is committed with
 an infinite loss so the fit skips it and the sweep does not retry it. A crash raises.
@@ -138,12 +139,17 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
     )
     try:
         tracker.log_params(run_id, {"proxy": {**point.axes, "size": point.size, "params": point.params,
-                                              "tokens": point.tokens, "flops": point.flops, "steps": point.train["steps"]},
+                                              "tokens": point.tokens, "flops": point.flops, "steps": point.train["steps"],
+                                              "data_mixture": point.train.get("data_mixture")},
                                     "model": point.model})
         log(f"proxy {point.name}: training ({point.train['steps']} steps, N={point.params}, D={point.tokens})")
         launcher = get_launcher(pcfg)
         handle = launcher.submit(spec, spec.write(Path(spec.workdir) / "job.yaml"))
-        code = handle.wait()
+        try:
+            code = handle.wait()
+        except BaseException:  # Ctrl-C or a cancelled task: the proxy job must not outlive it
+            handle.cancel()
+            raise
         result = launcher.result(spec)
         if result is not None and result.status == "diverged":
             status, val_loss = "diverged", math.inf

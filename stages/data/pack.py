@@ -6,13 +6,19 @@ Tokenization runs through `datasets.map(batched=True, num_proc=data.num_proc)`. 
 here, on tokens: with T_s the training tokens of source s and W the sum of weights, source s contributes
 w_s / W * sum(T) tokens, by taking whole passes over its documents and then documents in a seeded hash order
 until the remainder is covered (a weight above its natural share repeats documents, one below drops some).
-Training documents are then interleaved in a seeded hash order of (document id, pass). Validation is packed
-unweighted, every document once.
+Training documents are then laid out source by source (sources in name order, each in a seeded hash order of
+(document id, pass)), and the train index records each source's contiguous row range (`"sources"`), so the
+trainer can re-weight sources at load time (a data mixture chosen by the ablations, trainer/data.py); the
+loader's row permutation shuffles the sources together, so the default stream is the weighted mix as
+before. Only the row where one source's tokens end and the next begin holds two sources; it counts for the
+source owning most of it. Validation is packed unweighted, every document once, interleaved in hash order
+(its first rows are a fair sample of the held-out mix).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -130,6 +136,25 @@ def mixture_plan(ids: list[str], sources: list[str], tokens: np.ndarray, weights
     return [(i, r) for _, i, r in entries], rows
 
 
+def source_row_ranges(spans: list[tuple[str, int]], rows: int, row_len: int) -> list[dict]:
+    """Contiguous row ranges from the stream's source spans [(name, tokens), ...] in stream order. A row
+    cut by a span boundary goes to the source holding most of it (the boundary rounds to a row)."""
+    out, start, tokens = [], 0, 0
+    for k, (name, n) in enumerate(spans):
+        tokens += n
+        end = rows if k == len(spans) - 1 else min(rows, max(start, round(tokens / row_len)))
+        out.append({"name": name, "start": start, "end": end})
+        start = end
+    return out
+
+
+def record_sources(split_dir: Path, index: dict, spans: list[tuple[str, int]]) -> dict:
+    """Add the per-source row ranges to a written split's index.json."""
+    index = {**index, "sources": source_row_ranges(spans, index["rows"], index["seq_len"] + 1)}
+    (Path(split_dir) / "index.json").write_text(json.dumps(index, indent=2))
+    return index
+
+
 def _pack_split(doc_tokens: DocTokens, order: list[int], out: Path, seq_len: int, vocab: int, eos_id: int,
                 shard_mb: float, name: str) -> dict:
     row_bytes = (seq_len + 1) * token_dtype(vocab).itemsize
@@ -187,17 +212,27 @@ def run_pack(ctx: StageContext) -> dict[str, Any]:
                         "was cleaned with another source list): their mixture weight cannot be honoured"
                     )
                 plan, mix_rows = mixture_plan(ids, sources, lengths + 1, weights, cfg.seed)
-                order = [i for i, _ in plan]
-                card.table("mixture", "Mixture: training tokens per source (weights applied here)", mix_rows,
-                           ["source", "weight", "tokens_available", "tokens_target", "tokens_taken", "share_target",
-                            "share_taken", "passes"])
+                # Stable sort: each source's passes keep their hash order, sources follow each other.
+                order = sorted((i for i, _ in plan), key=lambda i: sources[i])
             else:
                 order = sorted(range(len(docs)), key=lambda i: mix_key(cfg.seed, ids[i], 0))
             index = _pack_split(docs, order, ctx.out_dir / folder, seq_len, vocab, eos_id, cfg.shard_mb, split)
+            if split == "train":
+                spans: dict[str, int] = {}
+                for i in order:
+                    spans[sources[i]] = spans.get(sources[i], 0) + int(lengths[i]) + 1
+                index = record_sources(ctx.out_dir / folder, index, list(spans.items()))
+                mix_rows_by = {r["source"]: r for r in mix_rows}
+                for r in index["sources"]:
+                    mix_rows_by[r["name"]]["rows"] = r["end"] - r["start"]
             split_rows.append({"split": folder, "documents": index["documents"], "tokens": index["tokens"],
                                "dropped_tokens": index["dropped_tokens"], "rows": index["rows"],
                                "shards": len(index["shards"]), "bytes": int(n_bytes.sum()),
                                "bytes_per_token": float(n_bytes.sum() / max(1, lengths.sum()))})
+            if split == "train":
+                card.table("mixture", "Mixture: training tokens per source (weights applied here)", mix_rows,
+                           ["source", "weight", "tokens_available", "tokens_target", "tokens_taken", "share_target",
+                            "share_taken", "passes", "rows"])
             summary[f"{folder}_tokens"] = index["tokens"]
             summary[f"{folder}_rows"] = index["rows"]
             summary[f"{folder}_documents"] = index["documents"]

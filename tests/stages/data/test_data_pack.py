@@ -140,6 +140,24 @@ def test_mixture_weights_set_token_shares(tmp_path):
     passes = sorted(r["passes"] for r in mix.values())
     assert passes[0] <= 1.0 <= passes[1]
     assert summary["train_documents"] == index["documents"]
+    # Sources are laid out one after the other and the index says which rows hold which (the loader
+    # re-weights them for a data mixture): a's rows end where a's tokens end, to the nearest row.
+    ranges = index["sources"]
+    assert [r["name"] for r in ranges] == ["a", "b"] and ranges[0]["start"] == 0
+    assert ranges[0]["end"] == ranges[1]["start"] and ranges[1]["end"] == index["rows"]
+    assert ranges[0]["end"] == round(mix["a"]["tokens_taken"] / (SEQ + 1))
+    assert {r["source"]: r["rows"] for r in card["mixture"]} == {r["name"]: r["end"] - r["start"] for r in ranges}
+    # ... and the first row of b's range begins inside a b document: its tokens are found in b's texts.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    first_b = PackedShards(tmp_path / "tokens" / "train").row(ranges[1]["start"] + 1)
+    pieces = np.split(first_b, np.flatnonzero(first_b == tok.eos_token_id))
+    longest = max((p[1:] if p.size and p[0] == tok.eos_token_id else p for p in pieces), key=len)
+    text = tok.decode([int(t) for t in longest[:20]])
+    b_texts = [r["text"] for r in docs(tmp_path, "train") if r["source"] == "b"]
+    a_texts = [r["text"] for r in docs(tmp_path, "train") if r["source"] == "a"]
+    assert any(text in t for t in b_texts) and not any(text in t for t in a_texts)
 
 
 def test_too_little_data_for_one_row_is_an_error(tmp_path):
