@@ -249,9 +249,25 @@ def bench_serve(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    import signal
+
+    interrupted = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt: jobs are cancelled on the way out
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         app()
     except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]")
+        sys.exit(130)
+    except Exception:
+        # Ctrl-C reaches the whole foreground group, Prefect's temporary server included: reporting the
+        # crash to it then fails too. That is still an interruption, not an error of ours.
+        if not interrupted:
+            raise
         console.print("[yellow]interrupted[/yellow]")
         sys.exit(130)
 

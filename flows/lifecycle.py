@@ -16,7 +16,7 @@ from infra.workspace import Workspace
 from stages.registry import STAGES, downstream, stage_order
 from tasks.ablations import log_prediction  # also installs the Prefect proxy runner for the ablations stage
 from tasks.health import health_task
-from tasks.stage import ArtifactRef, resolve_upstream, submit_stage
+from tasks.stage import ArtifactRef, is_committed, resolve_upstream, submit_stage
 
 
 @flow(name="lifecycle", log_prints=True)
@@ -47,11 +47,10 @@ def lifecycle(
             if any(i not in refs for i in spec.inputs):  # upstream not selected: use its latest artifact
                 refs.update({k: v for k, v in resolve_upstream(cfg, stage).items() if k not in refs})
             inputs = {name: refs[name] for name in spec.inputs}
-            if spec.trains and cfg.infra.health_check:
+            will_train = stage in forced or not is_committed(cfg, stage, inputs)
+            if spec.trains and cfg.infra.health_check and will_train:  # a cache hit needs no healthy machine
                 health_task(config, overrides or [])
-            refs[stage] = submit_stage(
-                cfg, stage, inputs, parent_run_id=parent, force=stage in forced, retries=2 if spec.trains else 0
-            )
+            refs[stage] = submit_stage(cfg, stage, inputs, parent_run_id=parent, force=stage in forced)
             # Which artifact each stage used, cached or not: what `eightfold compare` and the report read.
             tracker.set_tags(parent, {f"stage.{stage}.fingerprint": refs[stage].fingerprint,
                                       f"stage.{stage}.status": "cached" if refs[stage].cached else "ran"})
@@ -78,13 +77,12 @@ def run_single_stage(
     ws = Workspace.from_config(cfg)
     stage_order([stage])
     upstream = resolve_upstream(cfg, stage, inputs)
-    if STAGES[stage].trains and cfg.infra.health_check:
+    if STAGES[stage].trains and cfg.infra.health_check and (force or not is_committed(cfg, stage, upstream)):
         health_task(config, overrides or [])
     tracker = Tracker.for_workspace(ws)
     parent = tracker.start_run(f"stage-{stage}", tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "kind": "stage"})
     try:
-        ref = submit_stage(cfg, stage, upstream, parent_run_id=parent, force=force,
-                           retries=2 if STAGES[stage].trains else 0)
+        ref = submit_stage(cfg, stage, upstream, parent_run_id=parent, force=force)
     except BaseException:
         tracker.end_run(parent, status="FAILED")
         raise

@@ -16,11 +16,10 @@ from typing import Any
 from infra.launch import TrackingRef, get_launcher
 from infra.launch.job import JobResult, JobSpec
 
+from .attempts import DivergenceBudgetSpent, TrainingDiverged, TrainingJobFailed, next_launch, settle
 from .base import StageContext
 
-
-class TrainingJobFailed(RuntimeError):
-    """The training job ended without `completed`; the message names its log and result."""
+__all__ = ["TrainingJobFailed", "TrainingDiverged", "DivergenceBudgetSpent", "job_spec", "launch_and_wait", "run"]
 
 
 def job_spec(ctx: StageContext, stage: str = "pretrain", section: str = "pretrain") -> JobSpec:
@@ -44,23 +43,55 @@ def job_spec(ctx: StageContext, stage: str = "pretrain", section: str = "pretrai
     )
 
 
+def _spike_config(ctx: StageContext, spec: JobSpec):
+    section: object = ctx.cfg
+    for part in spec.section.split("."):
+        section = getattr(section, part)
+    return section.spike
+
+
 def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = None) -> JobResult:
+    """Launch the job and wait. A job that resumes (`resume: latest`) into a folder an earlier attempt
+    used learns from it (stages/attempts.py): its attempt number, the LR cap and the data windows to
+    skip after a divergence. Raises TrainingJobFailed (or TrainingDiverged, after rolling the output
+    back one checkpoint, or DivergenceBudgetSpent) when the job did not complete."""
+    resumable = spec.resume == "latest"
+    spike = _spike_config(ctx, spec) if resumable else None
+    if spike is not None:
+        spec = next_launch(spec, spike)
+        if spec.attempt:
+            ctx.log_metrics({"task.attempt": float(spec.attempt), "task.lr_scale": spec.lr_scale}, None)
     launcher = get_launcher(ctx.cfg)
     job_file = spec.write(Path(spec.workdir) / "job.yaml")
     handle = launcher.submit(spec, job_file)
-    code = handle.wait(timeout)
+    try:
+        code = handle.wait(timeout)
+    except BaseException:  # Ctrl-C, a cancelled flow run, a timeout: the job must not outlive its task
+        handle.cancel()
+        raise
     result = launcher.result(spec)
-    if code != 0 or result is None or result.status != "completed":
-        tail = ""
-        if handle.log_path.exists():
-            tail = "".join(handle.log_path.read_text(errors="replace").splitlines(keepends=True)[-20:])
-        status = result.status if result else "no result.json"
-        message = result.message if result else ""
-        raise TrainingJobFailed(
-            f"{spec.stage} job {spec.job_id} ended with exit code {code} ({status}{': ' + message if message else ''}); "
-            f"log: {handle.log_path}\n--- last lines ---\n{tail}"
-        )
-    return result
+    if code == 0 and result is not None and result.status == "completed":
+        if spike is not None and spec.attempt:
+            settle(spec, result, code, spike)
+        return result
+    tail = ""
+    if handle.log_path.exists():
+        tail = "".join(handle.log_path.read_text(errors="replace").splitlines(keepends=True)[-20:])
+    status = result.status if result else "no result.json"
+    message = result.message if result else ""
+    error: type[TrainingJobFailed] = TrainingJobFailed
+    event = ""
+    if spike is not None:
+        record = settle(spec, result, code, spike)
+        event = f"; {record['event']}"
+        ctx.log_metrics({f"task.{record['status']}": 1.0, **({"task.rollback_to_step": float(record["resume_step"])}
+                                                            if "resume_step" in record else {})}, None)
+        if record["status"] == "diverged":
+            error = TrainingDiverged if "resume_step" in record else DivergenceBudgetSpent
+    raise error(
+        f"{spec.stage} job {spec.job_id} (attempt {spec.attempt}) ended with exit code {code} "
+        f"({status}{': ' + message if message else ''}){event}; log: {handle.log_path}\n--- last lines ---\n{tail}"
+    )
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

@@ -49,8 +49,9 @@ STAGES: dict[str, StageSpec] = {
             "tokens",
             "stages.data:run_pack",
             ("data", "tokenizer"),
+            # layout: the train split is laid out source by source with row ranges in index.json (mixtures)
             lambda c: {"seq_len": c.pretrain.seq_len, "sources": _dump(c.data.sources), "seed": c.data.seed,
-                       "shard_mb": c.data.shard_mb},
+                       "shard_mb": c.data.shard_mb, "layout": "source-rows"},
             lifecycle_stage="data",
         ),
         StageSpec(
@@ -85,7 +86,8 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "export",
             "stages.export.stage:run",
-            ("pretrain", "tokenizer", "tokens"),
+            # the whole model chain: export.source picks what ships, export.lineage exports the rest for evaluate
+            ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo", "tokenizer", "tokens"),
             lambda c: {"model": _dump(c.model), "export": _dump(c.export)},
             lifecycle_stage="export",
         ),
@@ -96,7 +98,7 @@ STAGES: dict[str, StageSpec] = {
             lambda c: {"evaluate": _dump(c.evaluate)},
             lifecycle_stage="evaluate",
         ),
-        StageSpec("serve", "stages.serve.stage:run", ("export",), lambda c: {}, lifecycle_stage="serve"),
+        StageSpec("serve", "stages.serve.stage:run", ("export",), lambda c: _dump(c.serve), lifecycle_stage="serve"),
     ]
 }
 

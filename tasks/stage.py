@@ -19,6 +19,7 @@ from infra.config import LifecycleConfig
 from infra.store import FileStore
 from infra.tracking import Tracker, flatten_params
 from infra.workspace import Workspace
+from stages.attempts import DivergenceBudgetSpent
 from stages.base import StageContext
 from stages.registry import STAGES
 
@@ -63,6 +64,12 @@ def _maybe_inject_fault(stage: str) -> None:
 def stage_fingerprint(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef]) -> str:
     spec = STAGES[stage]
     return fingerprint(stage, spec.section(cfg), {k: v.fingerprint for k, v in inputs.items()})
+
+
+def is_committed(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef]) -> bool:
+    """Whether this stage's artifact for these inputs exists (the task would be a cache hit)."""
+    ws = Workspace.from_config(cfg)
+    return find_artifact(ws.store, ws.experiment, stage, stage_fingerprint(cfg, stage, inputs)) is not None
 
 
 def resolve_upstream(cfg: LifecycleConfig, stage: str, pinned: dict[str, str] | None = None) -> dict[str, ArtifactRef]:
@@ -152,6 +159,8 @@ def execute_stage(
         _maybe_inject_fault(stage)
     except BaseException:
         tracker.end_run(run_id, status="FAILED")
+        if not spec.trains:  # a failed attempt's output is never committed: gone now, not at the next attempt
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise
     numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     if numeric:
@@ -201,13 +210,32 @@ def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef],
     return ref
 
 
+# Failures a retry cannot mend: the stage ends at once instead of burning its retries.
+FINAL_ERRORS = (MissingUpstream, DivergenceBudgetSpent)
+
+
+def worth_retrying(task, task_run, state) -> bool:
+    """Prefect's retry_condition_fn: retry unless the failure says retrying cannot help."""
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - an unreadable result: keep the retry policy
+        return True
+    return not isinstance(exc, FINAL_ERRORS)
+
+
 def submit_stage(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None,
-                 force: bool, retries: int = 0) -> ArtifactRef:
-    """Run the stage task with its own name and retry policy (training jobs retry with backoff)."""
+                 force: bool, retries: int | None = None) -> ArtifactRef:
+    """Run the stage task with its own name and retry policy: training stages retry `infra.retries`
+    times with exponential backoff (each retry resumes the job from its latest committed checkpoint,
+    or rolls it back after a divergence: stages/attempts.py); other stages do not retry."""
+    if retries is None:
+        retries = cfg.infra.retries if STAGES[stage].trains else 0
+    delay = cfg.infra.retry_delay_s
     t = stage_task.with_options(
         name=f"{stage}",
         retries=retries,
-        retry_delay_seconds=[5 * 2**i for i in range(retries)] if retries else 0,
+        retry_delay_seconds=[delay * 2**i for i in range(retries)] if retries else 0,
+        retry_condition_fn=worth_retrying,
     )
     return t(cfg, stage, inputs, parent_run_id=parent_run_id, force=force)
 

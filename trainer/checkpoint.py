@@ -194,6 +194,14 @@ def prune(store: Store, keep_last: int, keep_every: int, log: Callable[[str], No
     return gone
 
 
+def uncommit(store: Store, step: int) -> None:
+    """Delete one committed checkpoint, manifest first (a half-deleted folder is never taken for one):
+    the task's rollback after a diverged job drops the checkpoint the job kept rolling back to."""
+    key = join_key(ROOT, step_dir(step))
+    store.delete(join_key(key, MANIFEST))
+    store.delete(key)
+
+
 # --- the checkpointer ------------------------------------------------------------------------------
 @dataclass
 class SaveStats:

@@ -4,8 +4,9 @@ S, a poisoned data window whose loss is multiplied (a loss spike), a checkpoint 
 flipped or its manifest removed after commit, and S3 errors (500/503, dropped connections) injected
 into a boto3 client through botocore's event hooks.
 
-Faults fire only on restart attempt `attempt` (torchrun's TORCHELASTIC_RESTART_COUNT), so the
-restarted job shows what recovery does rather than failing the same way again.
+Faults fire only on restart attempt `attempt` (torchrun's TORCHELASTIC_RESTART_COUNT) of launch
+`job_attempt` (the task's retries relaunch the job), so the restarted job shows what recovery does
+rather than failing the same way again.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ def restart_attempt() -> int:
 
 
 class Faults:
-    def __init__(self, cfg: FaultsConfig, rank: int, global_batch_size: int, workdir: str | Path | None = None):
+    def __init__(self, cfg: FaultsConfig, rank: int, global_batch_size: int, workdir: str | Path | None = None,
+                 job_attempt: int = 0):
         if os.environ.get(ENV):
             cfg = FaultsConfig.model_validate({**cfg.model_dump(), **json.loads(os.environ[ENV])})
         self.cfg, self.rank, self.global_batch_size = cfg, rank, global_batch_size
-        self.armed = restart_attempt() == cfg.attempt
+        # torchrun's restart count within one launch, and which launch of the job this is (a task retry)
+        self.armed = restart_attempt() == cfg.attempt and job_attempt == cfg.job_attempt
         self.workdir = Path(workdir) if workdir else None
 
     def _say(self, what: str) -> None:

@@ -32,7 +32,7 @@ from infra.launch.job import JobResult, JobSpec
 
 from .data import MicroBatch, PackedLoader, split_rows, validation_batches
 from .job_io import OutputFolder, fetch_input
-from .loss import IGNORE_INDEX, TokenLoss, cross_entropy_sum, moe_aux_loss, moe_layers
+from .loss import IGNORE_INDEX, HeadLoss, TokenLoss, moe_aux_loss, moe_layers
 from .metrics import MetricsSink, flops_per_token, measure_peak_flops, peak_memory_gb
 from .model import Transformer
 from .model.moe import imbalance
@@ -66,8 +66,9 @@ class LanguageModelling:
         return int((batch.targets != IGNORE_INDEX).sum())
 
     def loss(self, model: nn.Module, batch: MicroBatch, device: torch.device) -> TokenLoss:
-        logits = model(batch.inputs.to(device, non_blocking=True))
-        return cross_entropy_sum(logits, batch.targets.to(device, non_blocking=True), z_loss=self.z_loss)
+        # The LM head runs fused with the loss when it can (trainer/loss.py HeadLoss): no full logits.
+        targets = batch.targets.to(device, non_blocking=True)
+        return model(batch.inputs.to(device, non_blocking=True), head=HeadLoss(targets, z_loss=self.z_loss))
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -238,6 +239,7 @@ class Trainer:
         self.loader = PackedLoader(
             tokens_dir / "train", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp, seed=self.seed,
+            mixture=t.data_mixture,
         )
         self.val_batches = (
             validation_batches(tokens_dir / "val", seq_len=t.seq_len, batch_size=t.micro_batch_size,
@@ -287,7 +289,9 @@ class Trainer:
                 if self.step > 1 or t.steps == 1:
                     speeds.append(tokens_per_s)
                 last = {
-                    "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr, "tokens_per_s": tokens_per_s,
+                    # the LR applied: the schedule's, times the spike guard's scale after rollbacks
+                    "loss": res.loss, "grad_norm": res.grad_norm,
+                    "lr": res.lr * (self.recovery.lr_scale if t.spike.enabled else 1.0), "tokens_per_s": tokens_per_s,
                     "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
                     "peak_memory_gb": peak_memory_gb(self.device), "epoch": self.loader.epoch, **res.moe,
                     **self.comm.metrics,
@@ -321,7 +325,8 @@ class Trainer:
         if speeds:
             last["tokens_per_s"] = statistics.median(speeds)
             last["mfu"] = self.flops_per_token * last["tokens_per_s"] / (self.peak_flops * self.dims.world_size)
-        return JobResult(status=status, steps=self.step, metrics=last, message=message, checkpoint=checkpoint)
+        return JobResult(status=status, steps=self.step, metrics=last, message=message, checkpoint=checkpoint,
+                         skip_windows=self.recovery.skip_windows)
 
     def _estimate_vs_measured(self) -> dict[str, float]:
         """The estimator's figures (trainer/estimate) next to what torch's FLOP counter measures on this

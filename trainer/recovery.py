@@ -49,7 +49,7 @@ class Recovery:
         dims = trainer.dims
         layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                   "pp": dims.pp, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep, "zero": trainer.cfg.parallel.zero}
-        self.faults = Faults(t.faults, self.rank, t.global_batch_size, workdir)
+        self.faults = Faults(t.faults, self.rank, t.global_batch_size, workdir, job_attempt=spec.attempt)
         self.ckpt = Checkpointer(self.store, t.checkpoint, workdir / "checkpoint-staging", layout,
                                  on_commit=lambda step: self.faults.after_commit(self.store, step))
         self.detector = SpikeDetector(t.spike)
@@ -58,7 +58,8 @@ class Recovery:
         if f.poison_step is not None or f.nan_step is not None:
             self.scaled = trainer.objective = ScaledObjective(trainer.objective)
         self.heartbeat = Heartbeat(workdir, self.rank)
-        self.last_seen = self.heartbeat.previous_last_seen()  # set when this is a restart
+        # set when this is a restart: torchrun's (same workdir, its heartbeat) or the task's (a new launch)
+        self.last_seen = self.heartbeat.previous_last_seen() or spec.previous_attempt_ended_at
         self.skip_windows: list[list[int]] = []
         self.lr_scale = 1.0
         self.rollbacks = 0
@@ -76,6 +77,9 @@ class Recovery:
             if manifest is not None:
                 self._restore(manifest["trainer_state"])
                 self.resumed_from = trainer.step
+        # After a diverged attempt the task relaunches with a lower LR cap and the spiking data windows.
+        self.lr_scale = min(self.lr_scale, spec.lr_scale)
+        self.skip_windows = [list(w) for w in sorted({tuple(w) for w in self.skip_windows + spec.skip_windows})]
 
     # -- trainer state ------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
@@ -170,6 +174,7 @@ class Recovery:
         window = [self.streak_start, self.tr.loader.next_sample]
         self.rollbacks += 1
         if self.rollbacks > self.cfg.spike.max_rollbacks:
+            self.skip_windows.append(window)  # in result.json: the task's rollback skips it too
             self.message = (f"loss spikes at step {self.tr.step} after {self.rollbacks - 1} rollback(s) "
                             f"(max_rollbacks={self.cfg.spike.max_rollbacks}): {self.verdict.reason}")
             sink.log({"diverged": 1.0}, self.tr.step)

@@ -76,6 +76,16 @@ class ExportConfig(Section):
     thresholds: dict[str, VariantThreshold] = Field(
         default_factory=_default_thresholds, description="per variant (and 'hf' for the unquantized conversion)"
     )
+    source: Literal["final", "pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo"] = Field(
+        "final",
+        description="the model that becomes hf/ and every quantized variant; final: the last step of the chain "
+        "(posttrain-grpo; a disabled post-train step passes its input through)",
+    )
+    lineage: bool = Field(
+        True,
+        description="also export every earlier model of the chain (pretrain, sft, dpo) unquantized to <step>/hf, "
+        "so evaluate compares the whole lifecycle in one table",
+    )
     register_model: bool = Field(True, description="register hf/ in the MLflow model registry")
     registered_model_name: str | None = Field(None, description="default: the config name")
 

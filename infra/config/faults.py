@@ -13,6 +13,7 @@ from .base import Section
 
 class FaultsConfig(Section):
     attempt: int = Field(0, ge=0, description="restart attempt on which faults fire (0 = first run)")
+    job_attempt: int = Field(0, ge=0, description="launch of the job on which faults fire (task retries relaunch it)")
     kill_rank: int | None = Field(None, ge=0, description="this rank SIGKILLs itself ...")
     kill_step: int | None = Field(None, ge=1, description="... after completing this many steps")
     hang_rank: int | None = Field(None, ge=0, description="this rank hangs ...")

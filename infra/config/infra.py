@@ -18,6 +18,8 @@ class InfraConfig(Section):
     launcher: Literal["local", "slurm", "kubernetes"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     health_check: bool = Field(True, description="pre-flight health check before every training job")
+    retries: int = Field(2, ge=0, description="Prefect retries of a training stage's task, each resuming its job")
+    retry_delay_s: float = Field(5.0, ge=0, description="delay before the first retry; doubles for each next one")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="used when launcher = slurm")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="used when launcher = kubernetes")
 

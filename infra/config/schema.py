@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from .ablations import AblationsConfig
+from .ablations import AblationsConfig, check_mixture_sources
 from .base import Section
 from .data import DataConfig, TokenizerConfig
 from .estimate import EstimateConfig
@@ -14,6 +14,7 @@ from .infra import InfraConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .posttrain import PosttrainConfig
+from .serve import ServeConfig
 from .train import TrainConfig
 
 STAGES = ("data", "tokenizer", "ablations", "pretrain", "posttrain", "export", "evaluate", "serve")
@@ -33,6 +34,7 @@ class LifecycleConfig(Section):
     posttrain: PosttrainConfig = Field(default_factory=PosttrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "LifecycleConfig":
@@ -74,6 +76,7 @@ class LifecycleConfig(Section):
             raise ValueError(f"pretrain.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
         if p.cp > 1 and p.cp_impl == "ulysses" and (m.n_heads // p.tp) % p.cp:
             raise ValueError(f"Ulysses needs heads per tp rank ({m.n_heads // p.tp}) divisible by cp={p.cp}")
+        check_mixture_sources(self.ablations, [s.name for s in self.data.sources], t.data_mixture)
         if p.ep > 1:
             if m.moe is None:
                 raise ValueError(f"parallel.ep={p.ep} needs model.moe")

@@ -27,6 +27,10 @@ class SpikeConfig(Section):
     max_skips: int = Field(3, ge=0, description="consecutive skipped steps before rolling back")
     max_rollbacks: int = Field(3, ge=0, description="rollbacks before the job ends `diverged`")
     lr_factor_on_rollback: float = Field(1.0, gt=0, le=1, description="multiply the LR by this after a rollback")
+    task_rollbacks: int = Field(
+        2, ge=0, description="after a job ends `diverged`: times the task rolls back to an earlier checkpoint and retries"
+    )
+    task_lr_factor: float = Field(0.5, gt=0, le=1, description="LR scale applied at each task-level rollback")
 
 
 class TrainConfig(Section):
@@ -54,6 +58,11 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, ge=1)
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; None = measured")
     seed: int | None = Field(None, description="default: the lifecycle seed")
+    data_mixture: dict[str, float] | None = Field(
+        None,
+        description="pretrain only: share of training rows per data source, re-weighting the packed mix at load time "
+        "(set from the ablations' choice.json); None: rows uniformly, i.e. the mix data.sources[].weight packed",
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     spike: SpikeConfig = Field(default_factory=SpikeConfig)
     max_restarts: int = Field(0, ge=0, description="torchrun restarts of a failed job, each from the latest checkpoint")
@@ -63,4 +72,17 @@ class TrainConfig(Section):
     def _schedule(self) -> "TrainConfig":
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
+        if self.data_mixture is not None:
+            if type(self) is not TrainConfig:
+                raise ValueError("data_mixture: only pretrain samples packed tokens by source; post-training ignores it")
+            check_weights("pretrain.data_mixture", self.data_mixture)
         return self
+
+
+def check_weights(field: str, weights: dict[str, float]) -> None:
+    """A mixture's weights: none negative (or NaN), not all zero."""
+    bad = {k: v for k, v in weights.items() if not v >= 0}
+    if bad:
+        raise ValueError(f"{field}: weights must be >= 0, got {bad}")
+    if not any(v > 0 for v in weights.values()):
+        raise ValueError(f"{field}={weights}: every weight is 0 (give at least one source a positive weight)")

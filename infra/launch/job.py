@@ -31,6 +31,16 @@ class JobSpec(BaseModel):
     workdir: str = Field(..., description="local scratch folder of this job (logs, staging)")
     tracking: TrackingRef = TrackingRef()
     resume: Literal["latest", "none"] = "latest"
+    attempt: int = Field(0, ge=0, description="how many times this job was launched into the same output before")
+    lr_scale: float = Field(
+        1.0, gt=0, le=1, description="cap on the LR scale after resuming: lowered by the task after a diverged attempt"
+    )
+    skip_windows: list[list[int]] = Field(
+        default_factory=list, description="[start, end) global sample windows never trained on (earlier spikes)"
+    )
+    previous_attempt_ended_at: float | None = Field(
+        None, description="unix time the previous launch ended: the restart time of a task retry counts from it"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every rank")
 
     def write(self, path: str | Path) -> Path:
@@ -47,10 +57,12 @@ class JobSpec(BaseModel):
 class JobResult(BaseModel):
     """`result.json`: how a job ended. A task retries `failed` from `checkpoint`; `diverged` rolls back."""
 
-    model_config = ConfigDict(extra="allow")
+    # a diverged job's last loss is NaN or Inf: written as JSON's NaN/Infinity (Python reads them back)
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="constants")
 
     status: Literal["completed", "diverged", "failed"]
     steps: int = 0
     checkpoint: str | None = Field(None, description="URI of the last committed checkpoint")
     metrics: dict[str, float] = Field(default_factory=dict)
     message: str = ""
+    skip_windows: list[list[int]] = Field(default_factory=list, description="data windows skipped after spikes")

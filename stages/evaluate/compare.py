@@ -34,7 +34,8 @@ def _cell(m: dict[str, Any] | None, metric: str) -> str:
 
 
 def build_table(summaries: dict[str, dict[str, Any]], tasks: list[str],
-                skipped: dict[str, str] | None = None, notes: dict[str, str] | None = None) -> dict[str, Any]:
+                skipped: dict[str, str] | None = None, notes: dict[str, str] | None = None,
+                caption: str = "") -> dict[str, Any]:
     """The table as data: {"columns": [...], "rows": [{"variant", "cells": {"task/metric": {...}}}], ...}."""
     cols = columns(summaries, tasks)
     rows = []
@@ -42,7 +43,7 @@ def build_table(summaries: dict[str, dict[str, Any]], tasks: list[str],
         cells = {f"{t}/{m}": s["metrics"].get(t, {}).get(m) for t, m in cols}
         rows.append({"variant": variant, "cells": cells, "n": s.get("n", {})})
     return {"columns": [f"{t}/{m}" for t, m in cols], "rows": rows, "skipped": dict(skipped or {}),
-            "notes": dict(notes or {})}
+            "notes": dict(notes or {}), "caption": caption}
 
 
 def to_markdown(table: dict[str, Any]) -> str:
@@ -50,6 +51,8 @@ def to_markdown(table: dict[str, Any]) -> str:
     lines = ["# Evaluation: variants x tasks", "",
              "Each cell: value ± stderr (lm-eval's; bootstrap over documents for corpus perplexities). "
              "Arrows: which direction is better.", ""]
+    if table.get("caption"):
+        lines += [table["caption"], ""]
     arrows = {}
     for c in cols:
         hib = next((r["cells"][c]["higher_is_better"] for r in table["rows"] if r["cells"].get(c)), True)

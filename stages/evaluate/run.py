@@ -42,10 +42,15 @@ def _resolve(spec: str, inputs: dict[str, Path]) -> Path:
     return p
 
 
+def _export_summary(root: Path) -> dict[str, Any]:
+    f = root / "export.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def discover_variants(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[Variant]:
     """The configured variants, or every model folder in the inputs: `<input>/hf` is named after its
-    input ("hf" for the `export` input, as the export stage names it), `<input>/<step>/hf` is `step`
-    (one export per post-train step), `<input>/quantized/<q>` is `q` (`<input>-<q>` for inputs other
+    input (for the `export` input, the step it ships, from export.json's `source_step`, else "hf"),
+    `<input>/<step>/hf` is `step` (the export's lineage: pretrain, sft, dpo), `<input>/quantized/<q>` is `q` (`<input>-<q>` for inputs other
     than `export`; a folder holding a GGUF file counts when an hf/ folder sits beside it, which gives
     the architecture and tokenizer), an input that is itself a model folder keeps its name."""
     if cfg.variants:
@@ -66,12 +71,18 @@ def discover_variants(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[Vari
         root = Path(inputs[key])
         if _is_hf_folder(root):
             found.append(Variant(key, root))
-        if _is_hf_folder(root / "hf"):
-            found.append(Variant("hf" if key == "export" else key, root / "hf"))
-        # one export per step (e.g. <input>/sft/hf, <input>/grpo/hf): named after the step
-        for step in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in ("hf", "quantized")):
+        # one export per step (e.g. <input>/pretrain/hf, <input>/sft/hf): named after the step, in the
+        # lifecycle's order when export.json lists the lineage, then the shipped model (hf/)
+        shipped = _export_summary(root)
+        order = list(shipped.get("lineage", {}))
+        steps = [p for p in root.iterdir() if p.is_dir() and p.name not in ("hf", "quantized", "adapters")]
+        for step in sorted(steps, key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name)):
             if _is_hf_folder(step / "hf"):
                 found.append(Variant(step.name, step / "hf"))
+        if _is_hf_folder(root / "hf"):
+            # the export stage's hf/ is named after the model it ships (e.g. "grpo") when export.json says
+            name = shipped.get("source_step", "hf") if key == "export" else key
+            found.append(Variant(name, root / "hf"))
         qdir = root / "quantized"
         base = root / "hf" if _is_hf_folder(root / "hf") else None
         for q in sorted(p for p in qdir.iterdir() if p.is_dir()) if qdir.is_dir() else []:

@@ -25,14 +25,15 @@ from .suite import task_manager, token_window_filter, validation_texts, write_su
 
 
 def load_model(v: Variant, args: dict[str, Any], unloadable: str, notes: dict[str, str]):
-    """The `eightfold` lm-eval model over one variant: the engine loads the folder itself; a layout it
-    cannot load (packed INT4, GGUF) runs as dequantized weights on the engine when unloadable=dequantize
-    (recorded in `notes`)."""
+    """The `eightfold` lm-eval model over one variant: the engine loads the folder itself (Hugging Face
+    safetensors, compressed-tensors FP8/INT8/packed INT4, or a GGUF file); a layout it cannot load runs
+    as dequantized weights on the engine when unloadable=dequantize (recorded in `notes`)."""
+    from ..serve.gguf_loader import find_gguf
     from .backends import dequantized_engine_backend
     from .lm_model import EightfoldLM
 
     native_error: Exception | None = None
-    if (v.path / "config.json").is_file():
+    if (v.path / "config.json").is_file() or find_gguf(v.path) is not None:
         try:
             return EightfoldLM(**args)
         except Exception as exc:  # noqa: BLE001 - any load failure falls through to the policy below
@@ -46,6 +47,17 @@ def load_model(v: Variant, args: dict[str, Any], unloadable: str, notes: dict[st
                      f"{v.base.name}/'s architecture and tokenizer (native load: {why})")
     rest = {k: v_ for k, v_ in args.items() if k not in ("pretrained", "backend", *engine_opts)}
     return EightfoldLM(backend=backend, **rest)
+
+
+def lineage_caption(inputs: dict[str, Any]) -> str:
+    """What the rows are, when the export says which model it shipped and which came before it."""
+    f = Path(inputs["export"]) / "export.json" if "export" in inputs else None
+    shipped = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+    if not shipped.get("source_step"):
+        return ""
+    chain = [*shipped.get("lineage", {}), shipped["source_step"]]
+    return (f"Rows: the lifecycle's models in order ({' -> '.join(chain)}), then the quantized variants of "
+            f"`{shipped['source_step']}`, the model the export ships.")
 
 
 def _window(cfg, model_dir: Path) -> int:
@@ -110,7 +122,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     if not summaries:
         raise RuntimeError(f"no variant could be evaluated: {skipped}")
-    table = build_table(summaries, cfg.tasks, skipped, notes)
+    table = build_table(summaries, cfg.tasks, skipped, notes, caption=lineage_caption(ctx.inputs))
     md, js = write_table(table, ctx.out_dir)
     ctx.log_artifact(md)
     ctx.log_artifact(js)

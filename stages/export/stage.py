@@ -2,12 +2,17 @@
 INT4 RTN and AWQ in compressed-tensors layouts; GGUF for llama.cpp), every variant validated against the
 unquantized model, a size table, and hf/ registered in the MLflow model registry.
 
-Inputs: `pretrain` (the trainer's output folder: result.json naming the checkpoint, or checkpoints/),
+Inputs: the model chain `pretrain` -> `posttrain-sft` -> `posttrain-dpo` -> `posttrain-grpo` (each a
+trainer output folder: result.json naming the checkpoint, checkpoints/, or model.safetensors),
 `tokenizer` (tokenizer.json and friends, copied beside the weights), `tokens` (the packed splits: the
-`val/` rows give the perplexity check and the AWQ calibration activations).
+`val/` rows give the perplexity check and the AWQ calibration activations). `export.source` picks the
+model that ships (default: the last of the chain present); with `export.lineage` every earlier model
+is exported unquantized too, so evaluate puts the whole lifecycle in one table.
 Output folder:
   hf/                      config.json, generation_config.json, model-0000i-of-0000n.safetensors,
                            model.safetensors.index.json, tokenizer files
+  <step>/hf/               the earlier models of the chain (pretrain, sft, dpo), unquantized, validated alike
+  adapters/<step>/         a post-train step's LoRA adapter in PEFT format, against <previous step>/hf
   quantized/<variant>/     the same layout with quantization_config (fp8, int8, int4, int4-awq) or model.gguf
   validation.json          per variant: perplexity, ratio, greedy agreement, logit diff, pass/fail
   size_table.md/.json      bytes per variant for this model and, from shapes, for configs/seed-1b.yaml
@@ -37,6 +42,43 @@ from .validate import (CheckData, VariantReport, build_reference, check_variant,
                        gguf_forward, our_forward, transformers_forward)
 
 SEED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "seed-1b.yaml"
+# The lifecycle's model chain, in order: (input name, short name used for folders and table rows).
+CHAIN = (("pretrain", "pretrain"), ("posttrain-sft", "sft"), ("posttrain-dpo", "dpo"), ("posttrain-grpo", "grpo"))
+
+
+def model_chain(inputs: dict[str, Any], source: str) -> tuple[tuple[str, str], list[tuple[str, str]]]:
+    """(the shipped model, the earlier models of the chain) as (input name, short name) pairs.
+    source "final" is the last chain input present; a named source must be among the inputs."""
+    present = [(name, short) for name, short in CHAIN if name in inputs]
+    if not present:
+        raise ValueError(f"the export stage needs a model input (one of {[n for n, _ in CHAIN]}); got {sorted(inputs)}")
+    if source == "final":
+        return present[-1], present[:-1]
+    names = [n for n, _ in present]
+    if source not in names:
+        raise ValueError(f"export.source={source!r} is not among the stage's inputs {sorted(inputs)}")
+    i = names.index(source)
+    return present[i], present[:i]
+
+
+def export_adapters(inputs: dict[str, Any], chain: list[tuple[str, str]], cfg: ModelConfig,
+                    out: Path) -> dict[str, dict[str, Any]]:
+    """A post-train step trained with LoRA left adapter/ (PEFT format, Hugging Face names) beside its merged
+    model: checked against the pair (merged = base + scaling * B A) and shipped under adapters/<step>/ with
+    base_model_name_or_path pointing at the model it applies to (the previous one of the chain)."""
+    from .peft_adapter import find_adapter, write_peft_adapter
+
+    found: dict[str, dict[str, Any]] = {}
+    for (prev_name, prev), (name, short) in zip(chain, chain[1:]):
+        adapter = find_adapter(inputs[name])
+        if adapter is None:
+            continue
+        base = load_full_state_dict(find_checkpoint(inputs[prev_name]))
+        merged = load_full_state_dict(find_checkpoint(inputs[name]))
+        info = write_peft_adapter(adapter, out / "adapters" / short, cfg, base_model=f"../../{prev}/hf",
+                                  base=base, merged=merged)
+        found[short] = {"path": f"adapters/{short}", "base": f"{prev}/hf", **info}
+    return found
 
 
 def validation_rows(tokens_dir: Path, n_val: int, n_calib: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,21 +187,46 @@ def export_variants(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     return reports, sizes, notes
 
 
+def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], cfg: ModelConfig, out: Path, ec,
+                   tokenizer_dir: Path | None, data: CheckData, sizes: dict[str, int], log=print) -> list[VariantReport]:
+    """<step>/hf for each earlier model of the chain, each checked like hf/ against its own trained weights
+    (the `hf` thresholds), so a conversion bug in any row of the evaluation table fails here first."""
+    reports = []
+    th = ec.thresholds["hf"]
+    for name, short in earlier:
+        sd = complete_state_dict(load_full_state_dict(find_checkpoint(inputs[name])), cfg)
+        folder = out / short / "hf"
+        sizes[short] = hf_layout.write_hf(sd, cfg, folder, dtype=ec.dtype, tokenizer_dir=tokenizer_dir,
+                                          max_shard_mb=ec.shard_size_mb, moe_architecture=ec.moe_architecture)["bytes"]
+        ref = build_reference(our_forward(sd, cfg), data)
+        rep = check_variant(short, transformers_forward(folder), ref, data, th.max_ppl_ratio, th.min_greedy_agreement,
+                            th.max_logit_diff)
+        log(f"export: {short}/hf: ppl {rep.ppl:.4g}, logit diff {rep.max_logit_diff:.3g} -> "
+            f"{'ok' if rep.passed else 'FAILED'}")
+        reports.append(rep)
+    return reports
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg, ec = ctx.cfg, ctx.cfg.export
     out = Path(ctx.out_dir)
-    for name in ("pretrain", "tokens"):
-        if name not in ctx.inputs:
-            raise ValueError(f"the export stage needs a {name!r} input; got {sorted(ctx.inputs)}")
+    if "tokens" not in ctx.inputs:
+        raise ValueError(f"the export stage needs a 'tokens' input; got {sorted(ctx.inputs)}")
+    (source, source_short), earlier = model_chain(ctx.inputs, ec.source)
     tokenizer_dir = Path(ctx.inputs["tokenizer"]) if "tokenizer" in ctx.inputs else None
-    ckpt = find_checkpoint(ctx.inputs["pretrain"])
+    ckpt = find_checkpoint(ctx.inputs[source])
     sd = complete_state_dict(load_full_state_dict(ckpt), cfg.model)  # optimizer state never read
     val, calib = validation_rows(Path(ctx.inputs["tokens"]), ec.validation_rows, ec.awq_calibration_rows,
                                  ec.validation_seq_len)
     data = CheckData(val, encode_prompts(tokenizer_dir, ec.prompts, val), ec.greedy_tokens)
-    ctx.log_params({"export.checkpoint": str(ckpt), "export.variants": ",".join(ec.variants), "export.dtype": ec.dtype})
+    ctx.log_params({"export.source": source, "export.checkpoint": str(ckpt), "export.variants": ",".join(ec.variants),
+                    "export.dtype": ec.dtype, "export.lineage": ",".join(s for _, s in earlier) if ec.lineage else ""})
 
     reports, sizes, notes = export_variants(sd, cfg.model, out, ec, tokenizer_dir, data, calib)
+    if ec.lineage:
+        reports += export_lineage(ctx.inputs, earlier, cfg.model, out, ec, tokenizer_dir, data, sizes)
+    # an adapter ships only beside the model it applies to (the lineage's <step>/hf)
+    adapters = export_adapters(ctx.inputs, [*earlier, (source, source_short)], cfg.model, out) if ec.lineage else {}
     (out / "validation.json").write_text(json.dumps(
         {"reference_ppl": notes["reference_ppl"], "variants": [r.as_dict() for r in reports],
          "skipped": notes["skipped"], "awq": notes.get("awq")}, indent=2))
@@ -189,10 +256,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
         registered = register_hf_folder(ctx.workspace.tracking_uri, ctx.run_id, out / "hf",
                                         ec.registered_model_name or cfg.name,
                                         tags={"architecture": notes["architecture"], "checkpoint": str(ckpt)})
-    summary = {"architecture": notes["architecture"], "checkpoint": str(ckpt), "registered": registered,
+    summary = {"architecture": notes["architecture"], "source": source, "source_step": source_short,
+               "lineage": {short: f"{short}/hf" for _, short in earlier} if ec.lineage else {},
+               "adapters": adapters, "checkpoint": str(ckpt), "registered": registered,
                "reference_ppl": notes["reference_ppl"], "skipped": notes["skipped"], "sizes": sizes}
     (out / "export.json").write_text(json.dumps(summary, indent=2, default=str))
-    figures: dict[str, Any] = {"architecture": notes["architecture"], "reference_ppl": round(notes["reference_ppl"], 4),
+    figures: dict[str, Any] = {"source": source, "architecture": notes["architecture"],
+                               "reference_ppl": round(notes["reference_ppl"], 4),
                                "hf_bytes": sizes.get("hf")}
     for r in reports:
         figures[f"{r.variant}_ppl_ratio"] = round(r.ppl_ratio, 4)

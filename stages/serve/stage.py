@@ -1,7 +1,8 @@
 """The serve stage of the lifecycle: check that the exported checkpoint serves (load it in the
 engine, generate, compare the engine's greedy tokens with transformers' on the same prompt) and
 write what it takes to run it: `vllm.yaml` (the Kubernetes Deployment for GPU clusters, from
-k8s.py) and `serve.json` (the local command, KV-cache capacity, the smoke result).
+k8s.py) and `serve.json` (the local command, KV-cache capacity, the smoke result), after a short load
+test through the real server (`serve:` in config) whose latencies land in MLflow and the report.
 
 `eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`."""
 
@@ -55,6 +56,41 @@ def smoke_test(model_dir: Path, max_tokens: int = 16) -> dict[str, Any]:
             "kv_bytes_per_token": engine.kv_bytes_per_token}
 
 
+def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
+    """`sc.load_requests` requests at `sc.load_concurrency` through the real server in its own process
+    (the figures a user of `eightfold serve` sees), stopped whatever happens."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from .bench import make_requests, run_load, start_server_process, summarize
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    context = int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048))
+    # the longest request (both lengths +25%) must fit the model's context: shrink both alike if not
+    fit = min(1.0, (context - 2) / (1.25 * (sc.load_input_len + sc.load_output_len)))
+    input_len, output_len = max(1, int(sc.load_input_len * fit)), max(1, int(sc.load_output_len * fit))
+    reqs = make_requests(tokenizer, sc.load_requests, input_len, output_len, 0.25, seed)
+    proc, url = start_server_process(str(model_dir), sc.threads)
+    try:
+        import httpx
+
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
+        timings, duration = asyncio.run(run_load(url, model, reqs, sc.load_concurrency, float("inf"), seed))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+            proc.kill()
+    figures = summarize(timings, duration)
+    if figures["failed"]:
+        raise RuntimeError(f"serve load test: {figures['failed']} of {len(reqs)} requests failed: {figures['errors']}")
+    return {"requests": len(reqs), "concurrency": sc.load_concurrency, "input_len": input_len,
+            "output_len": output_len, **figures}
+
+
 def run(ctx) -> dict[str, Any]:
     """StageContext in: inputs["export"] (local folder), input_uris["export"]. Writes vllm.yaml, serve.json."""
     export = ctx.inputs.get("export")
@@ -70,9 +106,17 @@ def run(ctx) -> dict[str, Any]:
     out = Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm.yaml").write_text(manifest)
-    card = {"model_dir": str(model_dir), "model_uri": model_uri, "smoke": smoke,
+    sc = ctx.cfg.serve
+    load = load_test(model_dir, sc, ctx.cfg.seed) if sc.load_requests else None
+    card = {"model_dir": str(model_dir), "model_uri": model_uri, "smoke": smoke, "load": load,
             "serve_locally": f"eightfold serve {model_dir}", "kubernetes": "kubectl apply -f vllm.yaml"}
     (out / "serve.json").write_text(json.dumps(card, indent=2))
-    ctx.log_metrics({"serve/kv_blocks": float(smoke["kv_blocks"])}, None)
-    return {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],
-            "manifest": str(out / "vllm.yaml")}
+    figures: dict[str, Any] = {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],
+                               "manifest": str(out / "vllm.yaml")}
+    if load:
+        figures.update({"output_tokens_per_s": round(load["output_tokens_per_s"], 2),
+                        **{f"{k}_median": round(load[k]["median"], 3) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+                        **{f"{k}_p99": round(load[k]["p99"], 3) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}})
+    ctx.log_metrics({"serve/kv_blocks": float(smoke["kv_blocks"]),
+                     **{f"serve/{k}": float(v) for k, v in figures.items() if isinstance(v, float)}}, None)
+    return figures

@@ -4,6 +4,7 @@ size table, and hf/ registered in MLflow with the lifecycle run as its source.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -146,3 +147,76 @@ def test_moe_variants_validate(tmp_path, moe_kw):
         assert reader.fields["llama.expert_count"].contents() == 4
         assert reader.fields["llama.expert_used_count"].contents() == 2
     assert notes["architecture"] == ("Qwen2MoeForCausalLM" if moe_kw else "MixtralForCausalLM")
+
+
+def test_export_ships_the_last_model_of_the_chain_and_its_lineage(tmp_path, trained_tiny, export_tokenizer_dir):
+    """With pretrain and a post-train step as inputs, hf/ holds the post-train model, pretrain/hf the
+    pretrained one (each equal to its own weights), the step's LoRA adapter ships beside them, and the
+    evaluate stage names the rows after the steps, in lifecycle order."""
+    from safetensors.torch import load_file, save_file
+
+    from infra.config.evaluate import EvaluateConfig
+    from stages.evaluate.run import discover_variants
+    from stages.export.hf import hf_architecture, to_hf_state_dict
+    from stages.export.stage import run
+
+    from trainer.lora import apply_lora, merged_state_dict, save_peft
+    from trainer.model import Transformer
+
+    pretrain, tokens = make_inputs(tmp_path, trained_tiny)
+    sft = tmp_path / "posttrain-sft"  # as the post-train job leaves it: merged weights + adapter/ (PEFT)
+    model = Transformer(trained_tiny.cfg)
+    model.load_state_dict(trained_tiny.state_dict)
+    apply_lora(model, r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "down_proj"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    save_peft(model, sft / "adapter")
+    tuned = merged_state_dict(model)
+    save_file({k: v.contiguous() for k, v in tuned.items()}, str(sft / "model.safetensors"))
+    cfg = LifecycleConfig.model_validate({
+        "name": "export-chain",
+        "model": trained_tiny.cfg.model_dump(),
+        "tokenizer": {"vocab_size": 512},
+        "pretrain": {"seq_len": 64, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 0, "steps": 1},
+        "export": {"variants": ["int8"], "validation_rows": 4, "greedy_tokens": 4, "register_model": False,
+                   "dtype": "float32"},
+    })
+    ws = Workspace(tmp_path / "ws", f"file://{tmp_path / 'ws' / 'artifacts'}", f"sqlite:///{tmp_path / 'm.db'}", "x")
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(cfg=cfg, workspace=ws, out_dir=out, run_id=None,
+                       inputs={"pretrain": pretrain, "posttrain-sft": sft, "tokenizer": export_tokenizer_dir,
+                               "tokens": tokens})
+    assert run(ctx)["source"] == "posttrain-sft"
+
+    def exported(folder):
+        sd = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        return sd
+
+    arch = hf_architecture(cfg.model)
+    for folder, weights in ((out / "hf", tuned), (out / "pretrain" / "hf", trained_tiny.state_dict)):
+        want = to_hf_state_dict(weights, cfg.model, arch, torch.float32)
+        got = exported(folder)
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), folder
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["source_step"] == "sft" and summary["lineage"] == {"pretrain": "pretrain/hf"}
+    adapter = summary["adapters"]["sft"]
+    assert (adapter["path"], adapter["base"], adapter["r"]) == ("adapters/sft", "pretrain/hf", 4)
+    assert adapter["merge_max_rel_diff"] < 1e-3  # the shipped adapter is what the merged weights hold
+    conf = json.loads((out / "adapters" / "sft" / "adapter_config.json").read_text())
+    assert (out / "adapters" / "sft" / conf["base_model_name_or_path"] / "config.json").is_file()
+    report = json.loads((out / "validation.json").read_text())
+    assert [r["variant"] for r in report["variants"]] == ["hf", "int8", "pretrain"]
+    assert all(r["passed"] for r in report["variants"])
+
+    variants = discover_variants(EvaluateConfig(), {"export": out})
+    assert [v.name for v in variants] == ["pretrain", "sft", "int8"]
+
+    with pytest.raises(ValueError, match="export.source='posttrain-grpo' is not among"):
+        run(dataclasses.replace(ctx, cfg=cfg.model_copy(update={"export": cfg.export.model_copy(
+            update={"source": "posttrain-grpo"})})))

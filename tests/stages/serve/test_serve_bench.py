@@ -50,12 +50,16 @@ def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_di
     (export / "hf").mkdir(parents=True)
     for f in tiny_hf_model_dir.iterdir():
         (export / "hf" / f.name).write_bytes(f.read_bytes())
-    ctx = SimpleNamespace(cfg=load_config("configs/tiny.yaml", []), inputs={"export": export},
+    load = ["serve.load_requests=8", "serve.load_concurrency=4", "serve.load_input_len=16", "serve.load_output_len=8"]
+    ctx = SimpleNamespace(cfg=load_config("configs/tiny.yaml", load), inputs={"export": export},
                           input_uris={"export": "s3://bucket/exp/export/fp"}, out_dir=tmp_path / "out",
                           log_metrics=lambda *a, **k: None)
     figures = run(ctx)
     assert figures["matches_hf"] is True
     card = json.loads((tmp_path / "out" / "serve.json").read_text())
     assert card["model_uri"] == "s3://bucket/exp/export/fp/hf"
+    # the load test went through the real server: every request answered, latencies measured
+    assert card["load"]["completed"] == 8 and card["load"]["failed"] == 0
+    assert 0 < figures["ttft_ms_median"] <= figures["e2e_ms_median"] and figures["output_tokens_per_s"] > 0
     dep = next(yaml.safe_load_all((tmp_path / "out" / "vllm.yaml").read_text()))
     assert dep["kind"] == "Deployment"

@@ -1,0 +1,97 @@
+"""Attempts of one training job into one output folder, across the task's retries.
+
+A training stage keeps its output folder between task retries, so each launch resumes from the job's
+latest committed checkpoint. This module remembers what the earlier launches did (`attempts.json`
+beside the checkpoints, committed with the artifact) and turns it into the next launch's job file:
+
+- a `failed` job (a killed or hung rank, a lost node) is simply relaunched: it resumes from the
+  latest committed checkpoint;
+- a `diverged` job (the trainer's own skips and rollbacks did not help) is rolled back one checkpoint
+  further: the newest committed one is dropped, the next launch resumes from the one before, skips the
+  data windows that spiked and runs at `spike.task_lr_factor` times the LR per divergence so far;
+  after `spike.task_rollbacks` such rollbacks the stage ends with DivergenceBudgetSpent, which the
+  task does not retry.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from infra.config.train import SpikeConfig
+from infra.launch.base import endpoint_for
+from infra.launch.job import JobResult, JobSpec
+from infra.store import open_store
+
+ATTEMPTS = "attempts.json"
+
+
+class TrainingJobFailed(RuntimeError):
+    """The training job ended without `completed`; the message names its log and result. Retried."""
+
+
+class TrainingDiverged(TrainingJobFailed):
+    """The job diverged and its output was rolled back one checkpoint; a retry resumes from there."""
+
+
+class DivergenceBudgetSpent(TrainingJobFailed):
+    """The job diverged after `spike.task_rollbacks` task-level rollbacks: retrying would not help."""
+
+
+def read_attempts(output: str | Path) -> list[dict[str, Any]]:
+    f = Path(output) / ATTEMPTS
+    return json.loads(f.read_text()) if f.is_file() else []
+
+
+def _write_attempts(output: str | Path, attempts: list[dict[str, Any]]) -> None:
+    (Path(output) / ATTEMPTS).write_text(json.dumps(attempts, indent=2))
+
+
+def next_launch(spec: JobSpec, spike: SpikeConfig) -> JobSpec:
+    """The job file of the next launch: its attempt number, the LR cap after the divergences so far
+    and every data window an earlier attempt found spiking. Clears an earlier attempt's result.json."""
+    attempts = read_attempts(spec.output)
+    if attempts:  # a killed job writes no result.json: never read the previous attempt's as this one's
+        open_store(spec.output, endpoint_url=endpoint_for(spec)).delete("result.json")
+    diverged = sum(1 for a in attempts if a["status"] == "diverged")
+    windows = sorted({tuple(w) for a in attempts for w in a.get("skip_windows", [])})
+    return spec.model_copy(update={"attempt": len(attempts), "lr_scale": spike.task_lr_factor ** diverged,
+                                   "skip_windows": [list(w) for w in windows],
+                                   "previous_attempt_ended_at": attempts[-1]["ended_at"] if attempts else None})
+
+
+def settle(spec: JobSpec, result: JobResult | None, exit_code: int, spike: SpikeConfig,
+           log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Record how this launch ended; after a divergence, roll the output back one checkpoint (or say
+    the budget is spent). Returns the attempt's record (its `event` says what was done)."""
+    attempts = read_attempts(spec.output)
+    status = result.status if result else "failed"
+    record: dict[str, Any] = {"attempt": spec.attempt, "status": status, "exit_code": exit_code,
+                              "steps": result.steps if result else None, "lr_scale": spec.lr_scale,
+                              "checkpoint": result.checkpoint if result else None, "ended_at": time.time(),
+                              "skip_windows": result.skip_windows if result else [], "event": "none"}
+    if status == "failed":
+        record["event"] = "retry from the latest committed checkpoint"
+    elif status == "diverged":
+        diverged = 1 + sum(1 for a in attempts if a["status"] == "diverged")
+        if diverged > spike.task_rollbacks:
+            record["event"] = f"diverged {diverged} times (spike.task_rollbacks={spike.task_rollbacks}): giving up"
+        else:
+            from trainer.checkpoint import committed_steps, uncommit
+
+            store = open_store(spec.output, endpoint_url=endpoint_for(spec))
+            steps = committed_steps(store)
+            if steps:
+                uncommit(store, steps[0])
+            resume = steps[1] if len(steps) > 1 else 0
+            record.update(event=f"rolled back: dropped checkpoint {steps[0] if steps else None}, resume from step "
+                                f"{resume} at lr scale {spike.task_lr_factor ** diverged:g}",
+                          dropped_step=steps[0] if steps else None, resume_step=resume,
+                          next_lr_scale=spike.task_lr_factor ** diverged)
+    attempts.append(record)
+    _write_attempts(spec.output, attempts)
+    if status != "completed":
+        log(f"{spec.stage}: attempt {spec.attempt} ended {status}: {record['event']}")
+    return record
