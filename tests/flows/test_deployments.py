@@ -165,11 +165,20 @@ def _wait_final(client, run_id, timeout: float):
         time.sleep(1)
 
 
-def _flow_run_log(client, run_id) -> str:
+def _flow_run_log(client, run_id, expect: str | None = None, wait_s: float = 30.0) -> str:
+    """The run's newest log lines (the API returns at most a page, oldest first unless asked), polled
+    until `expect` shows up: a worker ships its last lines in a batch after the state changed."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
 
-    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-    return "\n".join(f"{log.level} {log.message}" for log in logs)[-4000:]
+    deadline = time.monotonic() + wait_s
+    while True:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), limit=200,
+                                sort=LogSort.TIMESTAMP_DESC)
+        text = "\n".join(f"{log.level} {log.message}" for log in reversed(logs))[-4000:]
+        if expect is None or expect in text or time.monotonic() > deadline:
+            return text
+        time.sleep(1)
 
 
 def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
@@ -222,7 +231,7 @@ def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
         with get_client(sync_client=True) as client:
             failed = _wait_final(client, run.id, 120)
             assert failed.state.is_failed(), f"{failed.state}: {_flow_run_log(client, run.id)}"
-            assert "injected fault" in _flow_run_log(client, run.id)
+            assert "injected fault" in _flow_run_log(client, run.id, expect="injected fault")
         print(f"first run failed at {time.monotonic() - t0:.1f}s")
         store = open_store(f"file://{work / 'artifacts'}")
         data_arts = list_artifacts(store, "micro", "data")
