@@ -47,8 +47,8 @@ def lifecycle(
             if any(i not in refs for i in spec.inputs):  # upstream not selected: use its latest artifact
                 refs.update({k: v for k, v in resolve_upstream(cfg, stage).items() if k not in refs})
             inputs = {name: refs[name] for name in spec.inputs}
-            will_train = stage in forced or not is_committed(cfg, stage, inputs)
-            if spec.trains and cfg.infra.health_check and will_train:  # a cache hit needs no healthy machine
+            # a cache hit needs no healthy machine (and only training stages ask)
+            if spec.trains and cfg.infra.health_check and (stage in forced or not is_committed(cfg, stage, inputs)):
                 health_task(config, overrides or [])
             refs[stage] = submit_stage(cfg, stage, inputs, parent_run_id=parent, force=stage in forced)
             # Which artifact each stage used, cached or not: what `eightfold compare` and the report read.

@@ -115,6 +115,24 @@ class PowerLawFit:
         return asdict(self)
 
 
+def _best_of_starts(f, x, y: np.ndarray, starts: list[list[float]], bounds, maxfev: int, what: str):
+    """Bounded least squares from each start; the (params, covariance, sse) of the lowest sse."""
+    best = None
+    for p0 in starts:
+        try:
+            with warnings.catch_warnings():  # too few points for a covariance: the caller reports it
+                warnings.simplefilter("ignore", OptimizeWarning)
+                p, cov = curve_fit(f, x, y, p0=p0, bounds=bounds, maxfev=maxfev)
+        except (RuntimeError, ValueError):
+            continue
+        sse = float(np.sum((f(x, *p) - y) ** 2))
+        if best is None or sse < best[2] - 1e-15:
+            best = (p, cov, sse)
+    if best is None:
+        raise FitError(f"{what}: the optimiser did not converge from any start")
+    return best
+
+
 def fit_power_law(C: Sequence[float], L: Sequence[float]) -> PowerLawFit:
     """Least squares of L = a * C^-b + E with a > 0, 0 < b < 3, 0 <= E < min(L). Four or more points
     give a covariance (three determine the curve exactly and leave no residual to scale it)."""
@@ -126,23 +144,11 @@ def fit_power_law(C: Sequence[float], L: Sequence[float]) -> PowerLawFit:
     C0 = _geomean(C)
     x = C / C0
     lmin = float(L.min())
-    best = None
-    for e_frac in (0.0, 0.5, 0.8, 0.95):  # a few starts: the E-b valley is long and flat
-        E0 = e_frac * lmin
-        try:
-            with warnings.catch_warnings():  # three points: no covariance, reported as inf below
-                warnings.simplefilter("ignore", OptimizeWarning)
-                p, cov = curve_fit(PowerLawFit._f, x, L, p0=[max(float(L.max()) - E0, 1e-3), 0.3, E0],
-                                   bounds=([1e-12, 1e-4, 0.0], [np.inf, 3.0, lmin]), maxfev=20000)
-        except (RuntimeError, ValueError):
-            continue
-        sse = float(np.sum((PowerLawFit._f(x, *p) - L) ** 2))
-        if best is None or sse < best[2] - 1e-15:
-            best = (p, cov, sse)
-    if best is None:
-        raise FitError("power law L(C): the optimiser did not converge from any start")
-    p, cov, sse = best
-    if len(C) <= 3:
+    # a few starts: the E-b valley is long and flat
+    starts = [[max(float(L.max()) - E0, 1e-3), 0.3, E0] for E0 in (f * lmin for f in (0.0, 0.5, 0.8, 0.95))]
+    p, cov, sse = _best_of_starts(PowerLawFit._f, x, L, starts, ([1e-12, 1e-4, 0.0], [np.inf, 3.0, lmin]), 20000,
+                                  "power law L(C)")
+    if len(C) <= 3:  # three points: no covariance
         cov = np.full((3, 3), np.inf)
     a_n, b, E = (float(v) for v in p)
     return PowerLawFit(a=a_n * C0**b, b=b, E=E, C0=C0, params=[a_n, b, E], cov=np.asarray(cov).tolist(),
@@ -195,21 +201,10 @@ def fit_chinchilla(N: Sequence[float], D: Sequence[float], L: Sequence[float]) -
     N0, D0 = _geomean(N), _geomean(D)
     nd = (N / N0, D / D0)
     lmin, spread = float(L.min()), float(L.max() - L.min()) + 1e-3
-    best = None
-    for e_frac in (0.0, 0.5, 0.9):
-        E0 = e_frac * lmin
-        p0 = [E0, (lmin - E0) / 2 + spread / 2, 0.3, (lmin - E0) / 2 + spread / 2, 0.3]
-        try:
-            p, cov = curve_fit(ChinchillaFit._f, nd, L, p0=p0,
-                               bounds=([0.0, 1e-12, 1e-4, 1e-12, 1e-4], [lmin, np.inf, 3.0, np.inf, 3.0]), maxfev=40000)
-        except (RuntimeError, ValueError):
-            continue
-        sse = float(np.sum((ChinchillaFit._f(nd, *p) - L) ** 2))
-        if best is None or sse < best[2] - 1e-15:
-            best = (p, cov, sse)
-    if best is None:
-        raise FitError("L(N, D): the optimiser did not converge from any start")
-    p, cov, sse = best
+    starts = [[E0, (lmin - E0) / 2 + spread / 2, 0.3, (lmin - E0) / 2 + spread / 2, 0.3]
+              for E0 in (f * lmin for f in (0.0, 0.5, 0.9))]
+    p, cov, sse = _best_of_starts(ChinchillaFit._f, nd, L, starts,
+                                  ([0.0, 1e-12, 1e-4, 1e-12, 1e-4], [lmin, np.inf, 3.0, np.inf, 3.0]), 40000, "L(N, D)")
     E, A_n, alpha, B_n, beta = (float(v) for v in p)
     return ChinchillaFit(E=E, A=A_n * N0**alpha, alpha=alpha, B=B_n * D0**beta, beta=beta, N0=N0, D0=D0,
                          params=[E, A_n, alpha, B_n, beta], cov=np.asarray(cov).tolist(), points=len(L),

@@ -19,6 +19,16 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path, **grid) -> Path:
+    """The common finish of every figure: grid, legend, tight layout, PNG, figure closed."""
+    ax.grid(True, alpha=0.3, **grid)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_loss_vs_lr(curves: dict[str, dict], path: Path) -> Path:
     """curves: label -> {"lr": [...], "loss": [...], "best_lr": x, "best_loss": y}; diverged runs drawn as x at the top."""
     plt = _pyplot()
@@ -39,12 +49,7 @@ def plot_loss_vs_lr(curves: dict[str, dict], path: Path) -> Path:
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss")
     ax.set_title("Proxy sweep: loss vs learning rate (star: best, x: diverged)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, which="both")
 
 
 def plot_loss_vs_compute(C: list[float], L: list[float], labels: list[str], fit, target_c: float,
@@ -68,12 +73,7 @@ def plot_loss_vs_compute(C: list[float], L: list[float], labels: list[str], fit,
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("final validation loss")
     ax.set_title("Scaling law over the proxies")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, which="both")
 
 
 def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path) -> Path:
@@ -101,9 +101,4 @@ def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path) -> Pa
     ax.set_xticklabels([f"{size}\nD={d:.3g}" for _, d, size in groups], fontsize=8)
     ax.set_ylabel("final validation loss (best lr)")
     ax.set_title("Proxy sweep: loss per data mixture (hatched: chosen)")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, axis="y")

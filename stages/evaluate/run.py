@@ -42,7 +42,8 @@ def _resolve(spec: str, inputs: dict[str, Path]) -> Path:
     return p
 
 
-def _export_summary(root: Path) -> dict[str, Any]:
+def export_summary(root: Path) -> dict[str, Any]:
+    """The export stage's export.json in `root` (which step it ships, its lineage), or {}."""
     f = root / "export.json"
     return json.loads(f.read_text()) if f.is_file() else {}
 
@@ -73,7 +74,7 @@ def discover_variants(cfg: EvaluateConfig, inputs: dict[str, Path]) -> list[Vari
             found.append(Variant(key, root))
         # one export per step (e.g. <input>/pretrain/hf, <input>/sft/hf): named after the step, in the
         # lifecycle's order when export.json lists the lineage, then the shipped model (hf/)
-        shipped = _export_summary(root)
+        shipped = export_summary(root)
         order = list(shipped.get("lineage", {}))
         steps = [p for p in root.iterdir() if p.is_dir() and p.name not in ("hf", "quantized", "adapters")]
         for step in sorted(steps, key=lambda p: (order.index(p.name) if p.name in order else len(order), p.name)):

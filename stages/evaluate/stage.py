@@ -20,7 +20,7 @@ from typing import Any
 from ..base import StageContext
 from .compare import build_table, flat_metrics, log_variant_runs, write_table
 from .gates import check_gates
-from .run import Variant, discover_variants, evaluate_model, model_args, summarize, write_samples
+from .run import Variant, discover_variants, evaluate_model, export_summary, model_args, summarize, write_samples
 from .suite import task_manager, token_window_filter, validation_texts, write_suite
 
 
@@ -51,8 +51,7 @@ def load_model(v: Variant, args: dict[str, Any], unloadable: str, notes: dict[st
 
 def lineage_caption(inputs: dict[str, Any]) -> str:
     """What the rows are, when the export says which model it shipped and which came before it."""
-    f = Path(inputs["export"]) / "export.json" if "export" in inputs else None
-    shipped = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+    shipped = export_summary(Path(inputs["export"])) if "export" in inputs else {}
     if not shipped.get("source_step"):
         return ""
     chain = [*shipped.get("lineage", {}), shipped["source_step"]]

@@ -61,24 +61,20 @@ def model_chain(inputs: dict[str, Any], source: str) -> tuple[tuple[str, str], l
     return present[i], present[:i]
 
 
-def export_adapters(inputs: dict[str, Any], chain: list[tuple[str, str]], cfg: ModelConfig,
-                    out: Path) -> dict[str, dict[str, Any]]:
+def export_adapter(posttrain_dir: Path, short: str, prev: str, base: dict[str, torch.Tensor],
+                   merged: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> dict[str, Any] | None:
     """A post-train step trained with LoRA left adapter/ (PEFT format, Hugging Face names) beside its merged
     model: checked against the pair (merged = base + scaling * B A) and shipped under adapters/<step>/ with
-    base_model_name_or_path pointing at the model it applies to (the previous one of the chain)."""
+    base_model_name_or_path pointing at the model it applies to (`prev`, the previous one of the chain).
+    None when the step trained without LoRA."""
     from .peft_adapter import find_adapter, write_peft_adapter
 
-    found: dict[str, dict[str, Any]] = {}
-    for (prev_name, prev), (name, short) in zip(chain, chain[1:]):
-        adapter = find_adapter(inputs[name])
-        if adapter is None:
-            continue
-        base = load_full_state_dict(find_checkpoint(inputs[prev_name]))
-        merged = load_full_state_dict(find_checkpoint(inputs[name]))
-        info = write_peft_adapter(adapter, out / "adapters" / short, cfg, base_model=f"../../{prev}/hf",
-                                  base=base, merged=merged)
-        found[short] = {"path": f"adapters/{short}", "base": f"{prev}/hf", **info}
-    return found
+    adapter = find_adapter(posttrain_dir)
+    if adapter is None:
+        return None
+    info = write_peft_adapter(adapter, out / "adapters" / short, cfg, base_model=f"../../{prev}/hf", base=base,
+                              merged=merged)
+    return {"path": f"adapters/{short}", "base": f"{prev}/hf", **info}
 
 
 def validation_rows(tokens_dir: Path, n_val: int, n_calib: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,24 +183,37 @@ def export_variants(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     return reports, sizes, notes
 
 
-def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], cfg: ModelConfig, out: Path, ec,
-                   tokenizer_dir: Path | None, data: CheckData, sizes: dict[str, int], log=print) -> list[VariantReport]:
+def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipped: tuple[str, str],
+                   shipped_sd: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, ec, tokenizer_dir: Path | None,
+                   data: CheckData, sizes: dict[str, int],
+                   log=print) -> tuple[list[VariantReport], dict[str, dict[str, Any]]]:
     """<step>/hf for each earlier model of the chain, each checked like hf/ against its own trained weights
-    (the `hf` thresholds), so a conversion bug in any row of the evaluation table fails here first."""
-    reports = []
+    (the `hf` thresholds), so a conversion bug in any row of the evaluation table fails here first; and
+    each post-train step's LoRA adapter beside the model it applies to. Each model is loaded once."""
+    reports: list[VariantReport] = []
+    adapters: dict[str, dict[str, Any]] = {}
     th = ec.thresholds["hf"]
-    for name, short in earlier:
-        sd = complete_state_dict(load_full_state_dict(find_checkpoint(inputs[name])), cfg)
-        folder = out / short / "hf"
-        sizes[short] = hf_layout.write_hf(sd, cfg, folder, dtype=ec.dtype, tokenizer_dir=tokenizer_dir,
-                                          max_shard_mb=ec.shard_size_mb, moe_architecture=ec.moe_architecture)["bytes"]
-        ref = build_reference(our_forward(sd, cfg), data)
-        rep = check_variant(short, transformers_forward(folder), ref, data, th.max_ppl_ratio, th.min_greedy_agreement,
-                            th.max_logit_diff)
-        log(f"export: {short}/hf: ppl {rep.ppl:.4g}, logit diff {rep.max_logit_diff:.3g} -> "
-            f"{'ok' if rep.passed else 'FAILED'}")
-        reports.append(rep)
-    return reports
+    prev: tuple[str, dict[str, torch.Tensor]] | None = None
+    for name, short in [*earlier, shipped]:
+        if (name, short) == shipped:
+            sd = shipped_sd
+        else:
+            sd = complete_state_dict(load_full_state_dict(find_checkpoint(inputs[name])), cfg)
+            folder = out / short / "hf"
+            sizes[short] = hf_layout.write_hf(sd, cfg, folder, dtype=ec.dtype, tokenizer_dir=tokenizer_dir,
+                                              max_shard_mb=ec.shard_size_mb, moe_architecture=ec.moe_architecture)["bytes"]
+            ref = build_reference(our_forward(sd, cfg), data)
+            rep = check_variant(short, transformers_forward(folder), ref, data, th.max_ppl_ratio,
+                                th.min_greedy_agreement, th.max_logit_diff)
+            log(f"export: {short}/hf: ppl {rep.ppl:.4g}, logit diff {rep.max_logit_diff:.3g} -> "
+                f"{'ok' if rep.passed else 'FAILED'}")
+            reports.append(rep)
+        if prev is not None:
+            adapter = export_adapter(Path(inputs[name]), short, prev[0], prev[1], sd, cfg, out)
+            if adapter is not None:
+                adapters[short] = adapter
+        prev = (short, sd)
+    return reports, adapters
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -223,10 +232,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     "export.dtype": ec.dtype, "export.lineage": ",".join(s for _, s in earlier) if ec.lineage else ""})
 
     reports, sizes, notes = export_variants(sd, cfg.model, out, ec, tokenizer_dir, data, calib)
+    adapters: dict[str, dict[str, Any]] = {}  # an adapter ships only beside the model it applies to (lineage)
     if ec.lineage:
-        reports += export_lineage(ctx.inputs, earlier, cfg.model, out, ec, tokenizer_dir, data, sizes)
-    # an adapter ships only beside the model it applies to (the lineage's <step>/hf)
-    adapters = export_adapters(ctx.inputs, [*earlier, (source, source_short)], cfg.model, out) if ec.lineage else {}
+        lineage_reports, adapters = export_lineage(ctx.inputs, earlier, (source, source_short), sd, cfg.model, out,
+                                                   ec, tokenizer_dir, data, sizes)
+        reports += lineage_reports
     (out / "validation.json").write_text(json.dumps(
         {"reference_ppl": notes["reference_ppl"], "variants": [r.as_dict() for r in reports],
          "skipped": notes["skipped"], "awq": notes.get("awq")}, indent=2))

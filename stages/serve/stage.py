@@ -61,6 +61,7 @@ def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
     (the figures a user of `eightfold serve` sees), stopped whatever happens."""
     import asyncio
 
+    import httpx
     from transformers import AutoTokenizer
 
     from .bench import make_requests, run_load, start_server_process, summarize
@@ -73,8 +74,6 @@ def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
     reqs = make_requests(tokenizer, sc.load_requests, input_len, output_len, 0.25, seed)
     proc, url = start_server_process(str(model_dir), sc.threads)
     try:
-        import httpx
-
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
         timings, duration = asyncio.run(run_load(url, model, reqs, sc.load_concurrency, float("inf"), seed))

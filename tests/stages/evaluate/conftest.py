@@ -5,12 +5,12 @@ artifact whose validation split holds real Python source."""
 from __future__ import annotations
 
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from eval_variants import write_broken_variant  # noqa: F401  (a uniquely named module: no conftest clash)
+# a uniquely named helper module, never `conftest`: several test folders have one
+from eval_variants import stdlib_sources, write_broken_variant  # noqa: F401
 
 
 def write_fp8_variant(src: Path, dst: Path) -> None:
@@ -69,11 +69,6 @@ def export_dir(tiny_hf_model_dir, tmp_path_factory) -> Path:
         if f.name.startswith("tokenizer"):
             shutil.copy(f, gguf / f.name)
     return root
-
-
-def stdlib_sources(n: int) -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))[:n]]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
-"""Variant folders the evaluate tests build by hand."""
+"""Variant folders and texts the evaluate tests build by hand."""
 
 from __future__ import annotations
 
 import shutil
+import sysconfig
 from pathlib import Path
 
 
@@ -17,3 +18,9 @@ def write_broken_variant(hf: Path, dst: Path) -> None:
             shutil.copy(f, dst / f.name)
     save_file({"model.layers.0.self_attn.q_proj.weight_packed": torch.zeros(4, 4, dtype=torch.int32)},
               str(dst / "model.safetensors"))
+
+
+def stdlib_sources(n: int) -> list[str]:
+    """The first n modules of the standard library's source: real Python text, always on disk."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))[:n]]

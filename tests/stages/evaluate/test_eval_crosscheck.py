@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import stdlib_sources
+from eval_variants import stdlib_sources
 from infra.config.evaluate import SUITE_TASKS, EvaluateConfig
 
 WINDOW = 96  # tokens per scoring window, the same for every model under test
