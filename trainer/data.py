@@ -34,11 +34,14 @@ from .shards import PackedShards
 
 @dataclass
 class MicroBatch:
-    """inputs = row[:-1], targets = row[1:], both [b, S] int64; `rows` are the global row ids."""
+    """inputs = row[:-1], targets = row[1:], both [b, S] int64; `rows` are the global row ids; `documents`
+    [b, S], when set, are the inputs' document ids in rows packed from several documents (the model then
+    masks attention and restarts positions per document)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     rows: np.ndarray
+    documents: torch.Tensor | None = None
 
 
 def split_rows(shards: PackedShards, ids: np.ndarray) -> MicroBatch:

@@ -130,31 +130,44 @@ def prompt_ids(tok, row: dict[str, Any]) -> list[int]:
 
 
 def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int,
-         packed: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Rows of seq_len + 1 tokens with their masks: examples laid end to end (greedy first fit in order),
-    a longer example truncated, the tail padded with pad_id under mask False."""
+         packed: bool = True) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows of seq_len + 1 tokens with their masks and document ids: examples laid end to end (greedy first
+    fit in order), a longer example truncated, the tail padded with pad_id under mask False (in the
+    last document: nothing attends to it, and it has no targets). The document ids let the model keep attention and positions inside each
+    conversation (trainer/model/transformer.py document_positions_and_mask), as TRL's padding-free
+    packing does with position ids: a packed row then trains exactly as its conversations would alone."""
     width = seq_len + 1
-    rows: list[tuple[list[int], list[bool]]] = []
+    rows: list[tuple[list[int], list[bool], list[int]]] = []
     for ids, mask in examples:
         ids, mask = ids[:width], mask[:width]
         if not packed or not rows or len(rows[-1][0]) + len(ids) > width:
-            rows.append(([], []))
+            rows.append(([], [], []))
+        doc = rows[-1][2][-1] + 1 if rows[-1][2] else 0
         rows[-1][0].extend(ids)
         rows[-1][1].extend(mask)
+        rows[-1][2].extend([doc] * len(ids))
     out = []
-    for ids, mask in rows:
+    for ids, mask, docs in rows:
         pad = width - len(ids)
-        out.append((np.array(ids + [pad_id] * pad, dtype=np.int64), np.array(mask + [False] * pad, dtype=bool)))
+        out.append((np.array(ids + [pad_id] * pad, dtype=np.int64), np.array(mask + [False] * pad, dtype=bool),
+                    np.array(docs + [docs[-1]] * pad, dtype=np.int64)))
     return out
 
 
-def lm_batch(rows: list[tuple[np.ndarray, np.ndarray]], ids: np.ndarray) -> MicroBatch:
-    """inputs = row[:-1]; targets = row[1:] where the mask marks a response token, else IGNORE_INDEX."""
+def lm_batch(rows: list[tuple[np.ndarray, ...]], ids: np.ndarray) -> MicroBatch:
+    """inputs = row[:-1]; targets = row[1:] where the mask marks a response token, else IGNORE_INDEX;
+    documents = the input tokens' document ids when some row holds more than one conversation."""
     tokens = torch.from_numpy(np.stack([rows[i][0] for i in ids]))
     mask = torch.from_numpy(np.stack([rows[i][1] for i in ids]))
     targets = tokens[:, 1:].clone()
     targets[~mask[:, 1:]] = IGNORE_INDEX
-    return MicroBatch(inputs=tokens[:, :-1], targets=targets, rows=np.asarray(ids, dtype=np.int64))
+    documents = None
+    if len(rows[ids[0]]) > 2:
+        docs = torch.from_numpy(np.stack([rows[i][2] for i in ids]))[:, :-1]
+        if bool((docs[:, :-1] != docs[:, 1:]).any()):  # a single conversation per row needs only the causal mask
+            documents = docs
+    return MicroBatch(inputs=tokens[:, :-1], targets=targets, rows=np.asarray(ids, dtype=np.int64),
+                      documents=documents)
 
 
 def encode_pair(tok, row: dict[str, Any]) -> tuple[tuple[list[int], list[bool]], tuple[list[int], list[bool]]]:

@@ -113,7 +113,7 @@ class PosttrainJob:
                                            collate=lambda ids: pdata.lm_batch(packed, ids), **dp)
         elif step == "dpo":
             pairs = [pdata.encode_pair(self.tok, r) for r in rows]
-            self.objective = DirectPreference(beta=s.beta, kind=s.loss, reference=self.reference)
+            self.objective = DirectPreference(beta=s.beta, kind=s.loss, rpo_alpha=s.rpo_alpha, reference=self.reference)
             self.loader = pdata.ItemLoader(pairs, global_batch_size=s.global_batch_size,
                                            micro_batch_size=s.micro_batch_size,
                                            collate=lambda ids: pdata.pair_batch(pairs, ids, self.pad_id), **dp)

@@ -70,3 +70,21 @@ def test_objective_reference_model_equals_precomputed_logps():
     assert same.ce_sum.item() == pytest.approx(2 * math.log(2), rel=1e-6)
     with pytest.raises(ValueError, match="reference"):
         DirectPreference().loss(policy, batch, torch.device("cpu"))
+
+
+def test_rpo_adds_the_chosen_answers_per_token_nll():
+    """rpo_alpha: the loss is DPO's plus alpha x the chosen rows' mean NLL per token, computed by hand."""
+    cfg = posttrain_config()
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    inputs, targets = _pairs()
+    targets[0, 8:] = IGNORE_INDEX  # chosen rows of different lengths: 2 and 4 answer tokens
+    with torch.no_grad():
+        ref_lp, _ = sequence_logps(policy(inputs), targets)
+        pol_lp, count = sequence_logps(policy(inputs), targets)
+    batch = PairBatch(inputs=inputs, targets=targets, rows=torch.arange(2).numpy(), ref_logps=ref_lp + 0.3)
+    plain = DirectPreference(beta=0.1).loss(policy, batch, torch.device("cpu")).ce_sum.item()
+    rpo = DirectPreference(beta=0.1, rpo_alpha=0.5).loss(policy, batch, torch.device("cpu")).ce_sum.item()
+    nll = float(-(pol_lp[:2] / count[:2]).sum())
+    assert count[:2].tolist() == [2, 4]
+    assert rpo == pytest.approx(plain + 0.5 * nll, rel=1e-5)

@@ -1,6 +1,8 @@
 """SFT: the loss mask covers exactly the assistant tokens (also after packing), prompt/completion rows,
 and the objective equals cross-entropy over the response positions computed by hand."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,38 @@ def test_sft_loss_is_cross_entropy_on_response_positions(tok):
             if t != IGNORE_INDEX:
                 total += -torch.log_softmax(logits[b, s].double(), -1)[t].item()
     assert part.ce_sum.item() == pytest.approx(total, rel=1e-5)
+
+
+def test_packed_rows_train_as_their_conversations_alone(tok):
+    """With document masking, each conversation's loss in a packed row equals its loss alone in a row of its
+    own (positions restart, attention never crosses into the conversation before it); without the
+    document ids the packed loss differs, which is the cross-contamination the masking removes."""
+    cfg = posttrain_config()
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).eval()
+    rows = [{"messages": [{"role": "user", "content": f"Q: What is {a} + {a + 1}?\nA:"},
+                          {"role": "assistant", "content": str(2 * a + 1)}]} for a in range(6)]
+    examples = [pdata.encode_example(tok, r) for r in rows]
+    obj = SupervisedFineTuning()
+    packed = pdata.pack(examples, seq_len=95, pad_id=tok.pad_token_id)
+    assert len(packed) < len(examples)
+    batch = pdata.lm_batch(packed, np.arange(len(packed)))
+    assert batch.documents is not None and int(batch.documents[0].max()) >= 1
+    alone = pdata.lm_batch(pdata.pack(examples, 95, tok.pad_token_id, packed=False), np.arange(len(examples)))
+    assert alone.documents is None
+    with torch.no_grad():
+        together, single = obj.loss(model, batch, torch.device("cpu")), obj.loss(model, alone, torch.device("cpu"))
+        assert int(together.tokens) == int(single.tokens)
+        assert together.ce_sum.item() == pytest.approx(single.ce_sum.item(), rel=1e-6)
+        crossed = obj.loss(model, dataclasses.replace(batch, documents=None), torch.device("cpu"))
+    # a random model is near uniform, so contamination moves its loss little; still 100x the tolerance above
+    assert abs(crossed.ce_sum.item() - single.ce_sum.item()) > 1e-4 * single.ce_sum.item()
+
+
+def test_document_positions_and_mask():
+    from trainer.model.transformer import document_positions_and_mask
+
+    pos, mask = document_positions_and_mask(torch.tensor([[0, 0, 0, 1, 1, 2]]))
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0]]
+    m = mask[0, 0].int().tolist()
+    assert m[4] == [0, 0, 0, 1, 1, 0] and m[2] == [1, 1, 1, 0, 0, 0] and m[5] == [0, 0, 0, 0, 0, 1]

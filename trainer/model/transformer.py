@@ -64,20 +64,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v; q [B, H, S, d], k/v [B, K, S, d] -> [B, H, S, d].
     enable_gqa shares each KV head with H/K consecutive query heads (HF's repeat_kv) without copying.
+    `mask` [B, 1, S, S] (True = attend), when given, replaces the plain causal mask (document masking).
 
     On CPU, bf16/fp16 inputs are attended in fp32 and the result cast back: torch's CPU flash-attention
     kernel runs about 2x faster forward + backward in fp32 than in bf16 at the head sizes of small
     models (benchmarks/train_throughput.py), and fp32 is the more precise of the two. The casts touch
     only q, k, v and the output, a small fraction of the [B, H, S, S] work."""
     gqa = q.shape[1] != k.shape[1]
+    causal = mask is None
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 inputs back down
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                               enable_gqa=gqa)
         return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def document_positions_and_mask(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows of several documents, each token tagged with its document's id ([B, S], ids equal
+    within a document and contiguous): RoPE positions that restart at 0 in every document, and the
+    causal mask [B, 1, S, S] that lets a token attend only to earlier tokens of its own document. Without
+    it, a packed SFT row's later conversations see the earlier ones (cross-contamination), which the
+    model never sees at inference, where every prompt starts alone at position 0."""
+    B, S = documents.shape
+    idx = torch.arange(S, device=documents.device).expand(B, S)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values  # each token's document start
+    same = documents[:, :, None] == documents[:, None, :]
+    causal = torch.ones(S, S, dtype=torch.bool, device=documents.device).tril()
+    return idx - first, (same & causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -100,7 +119,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, -1, self.head_size)  # [B, S, H, d]
         k = self.k_proj(x).view(B, S, -1, self.head_size)  # [B, S, K, d]
@@ -109,7 +129,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attention_fn(q, k, v)
+        if mask is None:
+            y = self.attention_fn(q, k, v)
+        elif self.attention_fn is causal_attention:
+            y = causal_attention(q, k, v, mask)
+        else:  # context parallel's ring/Ulysses attention shard the sequence; a full [S, S] mask does not fit them
+            raise ValueError("document masking (packed post-training rows) is not supported with context parallel; "
+                             "set parallel.cp=1 or the step's pack: false")
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, D]
 
 
@@ -128,8 +154,9 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -169,19 +196,25 @@ class Transformer(nn.Module):
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, head=None):
-        """`head`, when given, is called as head(hidden, lm_head) in place of lm_head(hidden) and its
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, documents=None, head=None):
+        """`documents` [B, S], when given, tags each token with the packed document it belongs to: positions
+        restart per document and attention stays inside it (see document_positions_and_mask).
+
+        `head`, when given, is called as head(hidden, lm_head) in place of lm_head(hidden) and its
         result returned: a loss can then fuse the LM head with itself (trainer/loss.py HeadLoss) and
         never hold the full logits, while the head still runs inside this forward (where data- and
         tensor-parallel wrappers expect the model's parameters to be used)."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # [B, S, D]
-        if positions is None:
+        mask = None
+        if documents is not None:
+            positions, mask = document_positions_and_mask(documents.to(h.device))
+        elif positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)  # h may be a sequence shard (SP)
         cos, sin = rope_cos_sin(positions, self.cfg.head_size, self.cfg.rope_theta)
         dtype = compute_dtype(h)
         cos, sin = cos.to(dtype), sin.to(dtype)  # once here rather than per layer and per q/k
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         if head is not None:

@@ -53,28 +53,35 @@ def dpo_loss(pol_chosen: torch.Tensor, pol_rejected: torch.Tensor, ref_chosen: t
 class DirectPreference:
     beta: float = 0.1
     kind: str = "sigmoid"
+    rpo_alpha: float | None = None  # weight of the chosen answer's per-token NLL (RPO, Pang et al. 2024)
     reference: nn.Module | None = None  # frozen; unused when batches carry ref_logps
     stats: dict[str, float] = field(default_factory=dict)
 
     def weight(self, batch: PairBatch) -> int:
         return batch.pairs
 
-    def _logps(self, model: nn.Module, batch: PairBatch, device: torch.device) -> torch.Tensor:
+    def _logps(self, model: nn.Module, batch: PairBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss's log-prob per row: summed, or per-token mean for IPO; the token count per row)."""
         targets = batch.targets.to(device)
         total, count = sequence_logps(model(batch.inputs.to(device)), targets)
-        return total / count.clamp_min(1) if self.kind == "ipo" else total
+        return (total / count.clamp_min(1) if self.kind == "ipo" else total), count
 
     def loss(self, model: nn.Module, batch: PairBatch, device: torch.device) -> TokenLoss:
         b = batch.pairs
-        pol = self._logps(model, batch, device)
+        pol, count = self._logps(model, batch, device)
         if batch.ref_logps is not None:
             ref = batch.ref_logps.to(device).float()
         elif self.reference is not None:
             with torch.no_grad():
-                ref = self._logps(self.reference, batch, device)
+                ref = self._logps(self.reference, batch, device)[0]
         else:
             raise ValueError("DPO needs a reference model or precomputed ref_logps in the batch")
         losses = dpo_loss(pol[:b], pol[b:], ref[:b], ref[b:], self.beta, self.kind)
+        if self.rpo_alpha:
+            # DPO alone lowers both answers' likelihoods while it separates them; the chosen answer's
+            # per-token NLL (as TRL's rpo_alpha) keeps it rising, so the model's own ranking improves too
+            chosen_mean = pol[:b] if self.kind == "ipo" else pol[:b] / count[:b].clamp_min(1)
+            losses = losses - self.rpo_alpha * chosen_mean
         with torch.no_grad():
             r_c, r_r = self.beta * (pol[:b] - ref[:b]), self.beta * (pol[b:] - ref[b:])
             for k, v in (("reward_margin", (r_c - r_r).sum()), ("preference_accuracy", (r_c > r_r).float().sum()),

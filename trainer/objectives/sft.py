@@ -22,7 +22,9 @@ class SupervisedFineTuning:
         return int((batch.targets != IGNORE_INDEX).sum())
 
     def loss(self, model: nn.Module, batch: MicroBatch, device: torch.device) -> TokenLoss:
-        logits = model(batch.inputs.to(device))
+        # packed rows carry document ids; unpacked ones need only the causal mask (and every wrapper takes that)
+        extra = {} if batch.documents is None else {"documents": batch.documents.to(device)}
+        logits = model(batch.inputs.to(device), **extra)
         return cross_entropy_sum(logits, batch.targets.to(device), z_loss=self.z_loss)
 
     def pop_metrics(self) -> dict[str, float]:
