@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from typing import AsyncIterator, Sequence
 
@@ -113,8 +114,12 @@ class AsyncEngine:
                     q.put_nowait(o)
                     if o.finished:
                         del self._queues[o.request_id]
-            # let other threads of the process run (a client or another replica in the same process):
-            # a step holds the GIL for most of its Python bookkeeping, and without a blocking call
-            # here the next step starts before a waiting thread is scheduled
-            time.sleep(0)
+            # a server on a background thread (ServerThread: tests, `--server thread`) shares the
+            # process with its caller: a step holds the GIL for most of its Python bookkeeping, and
+            # without a blocking call here the next step starts before the caller's thread is
+            # scheduled. Not in the main thread (`eightfold serve`, the in-process benchmark), where
+            # other threads are idle helpers (tqdm's monitor...): the call also yields the CPU, which
+            # on a busy machine hands the core to another process for a time slice, every step
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0)
             await asyncio.sleep(0)  # one turn of the loop: stream these tokens, take new requests

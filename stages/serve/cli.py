@@ -12,6 +12,14 @@ import typing
 from .engine import EngineConfig
 
 
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes"):
+        return True
+    if s.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
@@ -19,8 +27,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         args = typing.get_args(t)
         base = next((a for a in args if a is not type(None)), t) if args else t
         flag = "--" + f.name.replace("_", "-")
-        if base is bool:
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+        if f.name == "enforce_eager":  # vLLM's flag: bare `--enforce-eager` turns compilation off
+            p.add_argument(flag, nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
+                           help="run the forward eagerly (default here: compiled, warmed up at start)")
+        elif base is bool:
+            p.add_argument(flag, type=_bool, default=None, metavar="BOOL")
         else:
             p.add_argument(flag, type=base, default=None)
 
@@ -64,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--rounds", type=int, default=3, help="repeat and report the median round")
     b.add_argument("--max-num-seqs", type=int, default=None)
     b.add_argument("--max-num-batched-tokens", type=int, default=None)
+    b.add_argument("--stream-interval", type=int, default=None, help="engine option: hand tokens out N at a time")
+    b.add_argument("--serve-speculative", choices=["ngram"], default=None,
+                   help="the served load speculates too (greedy output unchanged)")
+    b.add_argument("--num-speculative-tokens", type=int, default=4)
+    b.add_argument("--enforce-eager", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
+                   help="the engines run eagerly (default: compiled, as `serve` runs them)")
     ns = parser.parse_args(argv)
 
     if ns.cmd == "serve":
@@ -73,18 +90,22 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(ns.threads)
         from .server import serve_command
 
+        if ns.enforce_eager is None:  # a server compiles by default (vLLM's default too); the library stays eager
+            ns.enforce_eager = False
         return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
                              replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
                              canary_share=ns.canary_share, **_engine_options(ns))
     from .bench import bench_serve_command
 
-    opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens))
+    opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens),
+                              ("stream_interval", ns.stream_interval), ("enforce_eager", ns.enforce_eager))
             if v is not None}
     return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,
                                request_rate=ns.request_rate, input_len=ns.input_len, output_len=ns.output_len,
                                range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
                                draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
-                               out=ns.out, server=ns.server, rounds=ns.rounds, **opts)
+                               out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
+                               num_speculative_tokens=ns.num_speculative_tokens, **opts)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ that means gathering each request's blocks into a padded copy for every layer of
 CPU that copy (and reading it back) is the step's largest memory traffic. Here a request that
 decodes also owns a row of a dense [2, kv_heads, slots, capacity, head_dim] tensor per layer: its
 K/V are copied in once, when it starts decoding, then each step appends one token, and attention
-reads the rows in place as a strided view (no gather). A 1-token step is the only kind served
-this way; prefill chunks and speculative verification keep the paged path.
+reads the rows in place as a strided view (no gather). A 1-token decode is served this way, and
+so is a decode that verifies k draft tokens (k+1 query rows, causal among themselves; the K/V of
+rejected drafts land past the accepted ones and are overwritten before anything reads them);
+prefill chunks keep the paged path. Rows freed in the middle are filled at once by moving the
+highest rows down (`compact`), so attention never spans free rows.
 
 The pool stays the source of truth (prefix caching, preemption, prefill): every token is still
 written there too, and a row is simply dropped when its request stops running or is preempted.
@@ -34,20 +37,24 @@ class DecodeSlots:
         self.kv: list[torch.Tensor] = []  # per layer [2, kv_heads, slots, capacity, head_dim]
         self.owner: list[tuple[Request, int] | None] = [None] * num_slots  # (request, its preemption count)
         self.slot_of: dict[str, int] = {}
+        self.num_moves = 0  # rows moved down into holes (compact)
 
     @property
     def num_used(self) -> int:
         return len(self.slot_of)
 
     def ensure_capacity(self, tokens: int) -> None:
+        """Room for `tokens` positions, and always one more: the context attended is then never the
+        whole row, so the compiled decode step (compiled_forward.py) has one shape case, not two."""
+        tokens += 1
         if tokens <= self.capacity:
             return
-        if tokens > self.max_len:
-            raise ValueError(f"context of {tokens} tokens exceeds max_model_len {self.max_len}")
+        if tokens > self.max_len + 1:
+            raise ValueError(f"context of {tokens - 1} tokens exceeds max_model_len {self.max_len}")
         cap = max(self.initial_capacity, self.capacity)
         while cap < tokens:
             cap *= 2
-        cap = min(cap, self.max_len)
+        cap = min(cap, self.max_len + 1)
         s = self.shape
         new = [torch.zeros(2, s.num_kv_heads, self.num_slots, cap, s.head_dim, dtype=self.dtype, device=self.device)
                for _ in range(s.num_layers)]
@@ -61,11 +68,36 @@ class DecodeSlots:
             self.owner[slot] = None
 
     def release_stale(self) -> None:
-        """Drop the rows of requests that finished, were aborted or were preempted since."""
+        """Drop the rows of requests that finished, were aborted or were preempted since, then
+        close the holes they leave (called before a step looks any slot up)."""
         for rid, slot in list(self.slot_of.items()):
             req, npre = self.owner[slot]  # type: ignore[misc]
             if req.status is not RequestStatus.RUNNING or req.num_preemptions != npre:
                 self.release(rid)
+        self.compact()
+
+    def compact(self) -> None:
+        """Move the highest used rows into the free rows below them, so that the used rows are
+        0..n-1. Decode attention runs over the span of used rows, free ones included: a hole costs
+        a whole padded row of attention every step and layer (and as requests drain at the end of
+        a burst, most of the span would be holes), while a move copies one row's K/V once."""
+        n = len(self.slot_of)
+        holes = [i for i in range(n) if self.owner[i] is None]
+        if not holes:
+            return
+        movers = [i for i in range(len(self.owner) - 1, n - 1, -1) if self.owner[i] is not None]
+        length = 0
+        for dst, src in zip(holes, movers):
+            req, _ = self.owner[src]  # type: ignore[misc]
+            self.owner[dst], self.owner[src] = self.owner[src], None
+            self.slot_of[req.request_id] = dst
+            self.num_moves += 1
+            length = max(length, req.num_computed_tokens)  # the K/V a row holds: positions before this
+        if length:
+            dst_i = torch.tensor(holes[: len(movers)], device=self.device)
+            src_i = torch.tensor(movers[: len(holes)], device=self.device)
+            for kv in self.kv:
+                kv[:, :, dst_i, :length] = kv[:, :, src_i, :length]
 
     def assign(self, req: Request, cache: KVCacheTensors, block_ids: list[int], context: int) -> int | None:
         """A free row for `req`, filled with the K/V of its first `context` tokens from the pool
@@ -97,10 +129,11 @@ class DenseStep:
     row0: int
     dest: torch.Tensor  # [n] slot * capacity + position: where each row's K/V go
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, kv_new: torch.Tensor) -> None:
+        """kv_new: the step's K and V, [2, kv_heads, T, head_dim]; rows row0.. are this step's."""
         kv = self.slots.kv[layer]
         two, kvh, S, cap, d = kv.shape
-        x = torch.stack((k[self.row0:], v[self.row0:])).transpose(1, 2)  # [2, kvh, n, d]
+        x = kv_new[:, :, self.row0:] if self.row0 else kv_new
         kv.view(two, kvh, S * cap, d).index_copy_(2, self.dest, x)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +145,83 @@ def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
+def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, group: int,
+                dtype: torch.dtype, dev: torch.device,
+                nq: np.ndarray | None = None) -> tuple[AttentionGroup, DenseStep]:
+    """The attention group of the decodes at flat rows row0.., in slot order `sl`: sequence i
+    feeds `nq[i]` tokens (default 1; 1 + its draft tokens when verifying a speculation) from
+    position `pos[i]`, its rows consecutive. One padded SDPA call over the run of slots they span."""
+    n = len(sl)
+    lo, hi = int(sl[0]), int(sl[-1]) + 1
+    S = hi - lo
+    if nq is None:
+        ctx = int(pos.max()) + 1
+        slots.ensure_capacity(ctx)
+        qpos = np.zeros(S, dtype=np.int64)  # a free slot in the run is a dummy row seeing key 0, discarded
+        qpos[sl - lo] = pos
+        # additive, built once for all layers (a boolean mask is converted by every SDPA call)
+        mask = np.where(np.arange(ctx)[None, :] > qpos[:, None], np.float32(-np.inf), np.float32(0.0))
+        mask = _to(mask, dev).to(dtype)[None, :, None, :].expand(1, S, group, ctx)
+        step = DenseStep(slots, lo, hi, ctx, row0, _to(sl * slots.capacity + pos, dev))
+        if S == n:  # no free slot inside the run: the rows are the queries as they are
+            rows = _to(np.arange(row0, row0 + n), dev)  # (torch.arange costs ~10x more here)
+            g = AttentionGroup(rows[:, None], torch.ones(n, 1, dtype=torch.bool, device=dev), rows, None,  # type: ignore[arg-type]
+                               mask, (row0, row0 + n), dense=step)
+            return g, step
+        token_index = np.full(S, row0, dtype=np.int64)
+        valid = np.zeros(S, dtype=bool)
+        token_index[sl - lo] = row0 + np.arange(n)
+        valid[sl - lo] = True
+        g = AttentionGroup(_to(token_index[:, None], dev), _to(valid[:, None], dev), _to(token_index[valid], dev),
+                           None, mask, None, dense=step)  # type: ignore[arg-type]
+        return g, step
+    qmax = int(nq.max())
+    ctx = int((pos + nq).max())
+    slots.ensure_capacity(ctx)
+    q_ar = np.arange(qmax)
+    if S == n and (n == 1 or bool((nq == qmax).all())):  # no hole, every sequence verifies as many drafts
+        qpos = pos[:, None] + q_ar  # [n, qmax]: query j sits at pos + j and sees keys 0..pos+j (causal)
+        mask = np.where(np.arange(ctx) > qpos[:, :, None], np.float32(-np.inf), np.float32(0.0))
+        mask = _to(np.repeat(mask, group, axis=1), dev).to(dtype)[None]
+        step = DenseStep(slots, lo, hi, ctx, row0, _to((sl[:, None] * slots.capacity + qpos).ravel(), dev))
+        rows = _to(np.arange(row0, row0 + n * qmax), dev)
+        g = AttentionGroup(rows.view(n, qmax), torch.ones(n, qmax, dtype=torch.bool, device=dev), rows, None,  # type: ignore[arg-type]
+                           mask, (row0, row0 + n * qmax), dense=step)
+        return g, step
+    within = np.minimum(q_ar[None, :], nq[:, None] - 1)  # [n, qmax]; padding repeats the last query
+    first = row0 + np.cumsum(nq) - nq  # flat row of each sequence's first token
+    token_index = np.full((S, qmax), row0, dtype=np.int64)
+    valid = np.zeros((S, qmax), dtype=bool)
+    qpos = np.zeros((S, qmax), dtype=np.int64)
+    token_index[sl - lo] = first[:, None] + within
+    valid[sl - lo] = q_ar[None, :] < nq[:, None]
+    qpos[sl - lo] = pos[:, None] + within
+    mask = np.where(np.arange(ctx)[None, None, :] > qpos[:, :, None], np.float32(-np.inf), np.float32(0.0))
+    # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
+    mask = _to(np.repeat(mask, group, axis=1), dev).to(dtype)[None]
+    row_pos = np.repeat(pos, nq) + (np.arange(int(nq.sum())) - np.repeat(first - row0, nq))
+    step = DenseStep(slots, lo, hi, ctx, row0, _to(np.repeat(sl, nq) * slots.capacity + row_pos, dev))
+    g = AttentionGroup(_to(token_index, dev), _to(valid, dev), _to(token_index[valid], dev), None,  # type: ignore[arg-type]
+                       mask, None, dense=step)
+    return g, step
+
+
+def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray,
+                blk: np.ndarray, tokens: list[int], nq: np.ndarray | None = None) -> torch.Tensor:
+    """The all-decode step: every sequence in a decode slot, given in slot order (`sl` ascending),
+    feeding `nq[i]` tokens (default one each; more with draft tokens to verify) from position
+    `pos[i]`. `tokens`, and `blk` (the pool block of each token's position), are per token, the
+    sequences' rows consecutive. Returns logits for every token, in the same order: no planning,
+    no per-row index."""
+    dev = model.device
+    group = model.shape.num_heads // model.shape.num_kv_heads
+    g, step = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
+    bs = cache.block_size
+    row_pos = pos if nq is None else np.repeat(pos, nq) + (np.arange(len(tokens)) - np.repeat(np.cumsum(nq) - nq, nq))
+    meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
+    return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None)
+
+
 def run_with_slots(
     model,
     cache: KVCacheTensors,
@@ -121,9 +231,9 @@ def run_with_slots(
     slot_ids: list[int | None],
     short_query: int = 16,
 ) -> torch.Tensor:
-    """`run_paged` (model.py) where the sequences with a slot (1-token decodes) attend over their
-    slot rows: the paged sequences come first in the flat batch, then the slotted ones in slot
-    order, as one attention group over the run of slots they span. Returns logits in the order of
+    """`run_paged` (model.py) where the sequences with a slot (decodes, with or without draft tokens
+    to verify) attend over their slot rows: the paged sequences come first in the flat batch, then
+    the slotted ones in slot order, as one attention group over the run of slots they span. Returns logits in the order of
     `seqs` and `rows`, like run_paged."""
     n = len(seqs)
     dev = model.device
@@ -152,28 +262,16 @@ def run_with_slots(
         bs = cache.block_size
         sl = np.fromiter((slot_ids[i] for i in dense), dtype=np.int64, count=len(dense))
         pos = np.fromiter((seqs[i][1] for i in dense), dtype=np.int64, count=len(dense))
-        blk = np.fromiter((seqs[i][0][p // bs] for i, p in zip(dense, pos.tolist())), dtype=np.int64, count=len(dense))
-        ctx = int(pos.max()) + 1
-        slots.ensure_capacity(ctx)
-        lo, hi = int(sl[0]), int(sl[-1]) + 1
-        S = hi - lo
-        token_index = np.full(S, row0, dtype=np.int64)
-        valid = np.zeros(S, dtype=bool)
-        qpos = np.zeros(S, dtype=np.int64)  # a free slot in the run is a dummy row seeing key 0, discarded
-        token_index[sl - lo] = row0 + np.arange(len(dense))
-        valid[sl - lo] = True
-        qpos[sl - lo] = pos
-        # additive, built once for all layers (a boolean mask is converted by every SDPA call)
-        hidden = _to(np.arange(ctx)[None, :] > qpos[:, None], dev)
-        mask = torch.zeros(S, ctx, dtype=model.dtype, device=dev).masked_fill_(hidden, float("-inf"))
-        mask = mask[None, :, None, :].expand(1, S, group, ctx)
-        step = DenseStep(slots, lo, hi, ctx, row0, _to(sl * slots.capacity + pos, dev))
-        flat_rows = token_index[valid]
-        row_range = (row0, row0 + S) if S == len(dense) else None
-        meta.groups.append(AttentionGroup(_to(token_index[:, None], dev), _to(valid[:, None], dev), _to(flat_rows, dev),
-                                          None, mask, row_range, dense=step))  # type: ignore[arg-type]
-        meta.slot_mapping = torch.cat((meta.slot_mapping, _to(blk * bs + pos % bs, dev)))
-        meta.positions = torch.cat((meta.positions, _to(pos, dev)))
+        nq = np.fromiter((len(seqs[i][2]) for i in dense), dtype=np.int64, count=len(dense))
+        multi = bool((nq > 1).any())
+        g, step = dense_group(slots, sl, pos, row0, group, model.dtype, dev, nq if multi else None)
+        row_pos = [p + j for i, p in zip(dense, pos.tolist()) for j in range(len(seqs[i][2]))] if multi else pos.tolist()
+        row_seq = [i for i in dense for _ in seqs[i][2]] if multi else dense
+        blk = np.fromiter((seqs[i][0][p // bs] for i, p in zip(row_seq, row_pos)), dtype=np.int64, count=len(row_pos))
+        row_pos = np.asarray(row_pos, dtype=np.int64)
+        meta.groups.append(g)
+        meta.slot_mapping = torch.cat((meta.slot_mapping, _to(blk * bs + row_pos % bs, dev)))
+        meta.positions = torch.cat((meta.positions, _to(row_pos, dev)))
         meta.dense = step
     return model.forward(
         torch.tensor(ids, dtype=torch.long, device=dev),

@@ -36,6 +36,19 @@ class Histogram:
             s[-2] += value
             s[-1] += 1
 
+    def observe_many(self, values: list[float], **labels: str) -> None:
+        """Several observations of one label set at once (an engine step's worth)."""
+        key = tuple(sorted(labels.items()))
+        buckets, nb = self.buckets, len(self.buckets)
+        with self._lock:
+            s = self._series.setdefault(key, [0] * nb + [0.0, 0])
+            for value in values:
+                i = bisect.bisect_left(buckets, value)
+                if i < nb:
+                    s[i] += 1
+                s[-2] += value
+            s[-1] += len(values)
+
     def count(self, **labels: str) -> int:
         s = self._series.get(tuple(sorted(labels.items())))
         return s[-1] if s else 0

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .compiled_forward import EagerPieces
 from .gguf_loader import find_gguf, load_gguf
 from .quant_linear import take_quantized
 
@@ -194,7 +195,10 @@ class KVCacheTensors:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] into their slots."""
-        x = torch.stack((k, v)).transpose(1, 2)  # [2, kvh, T, d]
+        self.write_stacked(layer, slots, torch.stack((k, v)).transpose(1, 2))
+
+    def write_stacked(self, layer: int, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x: K and V stacked as [2, kv_heads, T, head_dim] into their slots."""
         if self.fp8:
             scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
             self.scale[layer][:, :, slots] = scale
@@ -217,20 +221,6 @@ class KVCacheTensors:
                  * sc.unsqueeze(-1).to(self.compute_dtype))
         x = x.view(two, kvh, S, B * self.block_size, d)
         return x[0], x[1]
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)  # one fused op
-    # same order of operations as HF LlamaRMSNorm: normalise in float32, then scale in the weight dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -277,6 +267,7 @@ class PagedLlama:
         self.dtype = dtype
         self.device = device
         self.load_weights(state_dict)
+        self.pieces: EagerPieces = EagerPieces(shape)  # compile() swaps in CompiledPieces
         inv = rope_inv_freq(shape)
         pos = torch.arange(shape.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(pos, inv)
@@ -347,41 +338,61 @@ class PagedLlama:
             }
             self.layers.append(layer)
 
+    def layer_weights(self, li: int) -> tuple[tuple, tuple]:
+        """Layer `li`'s weights as the two tuples the pieces take: (attention in, attention out + MLP)."""
+        L = self.layers[li]
+        return ((L["attn_norm"], L["qkv"], L["qkv_bias"], L["q_norm"], L["k_norm"]),
+                (L["o"], L["mlp_norm"], L["gate_up"], L["down"]))
+
+    def compile(self) -> bool:
+        """Run all-decode steps compiled (compiled_forward.py; warmed up by the engine, which owns
+        the caches); False, with a logged warning, when the model cannot be and stays eager."""
+        from .compiled_forward import CompiledPieces
+
+        pieces = CompiledPieces.build(self)
+        if pieces is not None:
+            self.pieces = pieces
+        return pieces is not None
+
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         cache: KVCacheTensors,
-        logits_index: torch.Tensor,  # [N] rows whose logits are wanted
+        logits_index: torch.Tensor | None,  # [N] rows whose logits are wanted (None: every row)
     ) -> torch.Tensor:
         s = self.shape
         T = input_ids.shape[0]
         nh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
         cos = self.cos[meta.positions][:, None, :]  # [T, 1, d]
-        sin = self.sin[meta.positions][:, None, :]
-        sin_signed = self.sin_signed[meta.positions][:, None, :]
+        qk_norm = self.layers[0]["q_norm"] is not None
+        # RoPE as q*cos + rotate_half(q)*sin (q/k-norm models) or q*cos + roll(q)*sin_signed
+        sin = (self.sin if qk_norm else self.sin_signed)[meta.positions][:, None, :]
+        # one attention group covering every row in order (an all-decode step over a full run of
+        # decode slots): its output is the attention output itself, no scatter into a buffer
+        whole = len(meta.groups) == 1 and meta.groups[0].row_range == (0, T)
+        pieces = self.pieces
+        if whole and pieces.compiled and logits_index is None and not cache.fp8:
+            g = meta.groups[0]
+            if g.dense is not None:  # an all-decode step (drafts to verify or not): one compiled call
+                st = g.dense
+                weights = [self.layer_weights(li) for li in range(len(self.layers))]
+                return pieces.dense_decode(input_ids, self.embed, cos, sin, meta.slot_mapping, st.dest, g.mask,
+                                           cache.kv, st.slots.kv, weights, self.final_norm, self.lm_head, st.lo)
         x = self.embed[input_ids]
         scale = 1.0 / math.sqrt(d)
         group = nh // kvh
-        for li, L in enumerate(self.layers):
-            h = _rms_norm(x, L["attn_norm"], s.rms_norm_eps)
-            qkv = F.linear(h, L["qkv"], L["qkv_bias"])
-            v = qkv[:, (nh + kvh) * d:].view(T, kvh, d)
-            if L["q_norm"] is None:  # RoPE on queries and keys together: one set of ops, not two
-                qk = qkv[:, : (nh + kvh) * d].view(T, nh + kvh, d)
-                qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin_signed
-                q, k = qk[:, :nh], qk[:, nh:]
-            else:
-                q = _rms_norm(qkv[:, : nh * d].view(T, nh, d), L["q_norm"], s.rms_norm_eps)
-                k = _rms_norm(qkv[:, nh * d: (nh + kvh) * d].view(T, kvh, d), L["k_norm"], s.rms_norm_eps)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+        n_layers = len(self.layers)
+        attn_in, attn_out = self.layer_weights(0)
+        q, kv_new = pieces.first(x, attn_in, cos, sin)
+        for li in range(n_layers):
+            # the token-wise math (norms, projections, RoPE, MLP) is in `pieces` (compiled_forward.py)
             # write first, then read: every sequence sees this step's K/V of its own earlier tokens
-            cache.write(li, meta.slot_mapping, k, v)
+            cache.write_stacked(li, meta.slot_mapping, kv_new)  # kv_new: [2, kvh, T, d]
             if meta.dense is not None:
-                meta.dense.write(li, k, v)
-            attn = torch.empty(T, nh, d, dtype=x.dtype, device=x.device)
+                meta.dense.write(li, kv_new)
+            attn = None if whole else torch.empty(T, nh, d, dtype=x.dtype, device=x.device)
             for g in meta.groups:
                 # [kvh, S, K, d]: read in place from decode slots, or gathered through the block tables
                 kk, vv = g.dense.read(li) if g.dense is not None else cache.gather(li, g.block_tables)
@@ -396,16 +407,20 @@ class PagedLlama:
                 qq = qq.permute(2, 0, 1, 3, 4).reshape(kvh, S, Q * group, d)
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=scale)
                 o = o.view(kvh, S, Q, group, d).permute(1, 2, 0, 3, 4)
-                if g.row_range is not None:
+                if whole:
+                    attn = o.reshape(T, nh, d)
+                elif g.row_range is not None:
                     attn[a:b] = o.reshape(S * Q, nh, d)
                 else:
                     attn[g.valid_rows] = o.reshape(S, Q, nh, d)[g.valid]
-            x = x + F.linear(attn.view(T, nh * d), L["o"])
-            h = _rms_norm(x, L["mlp_norm"], s.rms_norm_eps)
-            gu = F.linear(h, L["gate_up"])
-            x = x + F.linear(F.silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size:], L["down"])
-        x = _rms_norm(x[logits_index], self.final_norm, s.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+            if li + 1 < n_layers:
+                next_in, next_out = self.layer_weights(li + 1)
+                x, q, kv_new = pieces.between(x, attn, attn_out, next_in, cos, sin)
+                attn_out = next_out
+            else:
+                x = pieces.last(x, attn, attn_out)
+                return pieces.head(x if logits_index is None else x[logits_index], self.final_norm, self.lm_head)
+        raise AssertionError("unreachable: a model has at least one layer")
 
 
 def run_paged(

@@ -8,12 +8,13 @@ request, and every row of a prompt whose logprobs were asked for.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .decode_slots import DecodeSlots, run_with_slots
+from .decode_slots import DecodeSlots, run_decodes, run_with_slots
 from .kv_cache import KVCacheManager
 from .model import KVCacheTensors, PagedLlama, run_paged
-from .sampling import Sampler, TokenLogprob, token_logprobs
+from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
 from .scheduler import SchedulerOutput, StepResult
 from .speculative import rejection_sample
 
@@ -34,6 +35,9 @@ class ModelRunner:
         slots = self.slots
         if slots is not None:
             slots.release_stale()
+            results = self._execute_decodes(out)
+            if results is not None:
+                return results
         for s in out.scheduled:
             req = s.request
             end = s.start + s.num_new_tokens
@@ -59,7 +63,9 @@ class ModelRunner:
             plans.append((s, prompt_rows, n_sample_rows))
             if slots is not None:
                 slot = slots.slot_of.get(req.request_id)
-                if s.num_new_tokens != 1 or s.spec_token_ids:
+                # a decode (its last confirmed token, then any draft tokens) reads its slot; any
+                # other step (a prefill chunk) goes through the pool
+                if s.start != req.num_tokens - 1 or s.num_new_tokens > 1 + len(s.spec_token_ids):
                     if slot is not None:  # its row would miss these tokens' K/V
                         slots.release(req.request_id)
                     slot = None
@@ -104,16 +110,83 @@ class ModelRunner:
         if plain_rows:
             sel = logits[torch.tensor(plain_rows, device=logits.device)]
             toks = self.sampler(sel, [r.params for r, _ in plain_reqs], [r.generator for r, _ in plain_reqs])
-            tok_list = toks.tolist()
             want_lp = [i for i, (r, _) in enumerate(plain_reqs) if r.params.logprobs is not None]
             if want_lp:
                 top_n = max(plain_reqs[i][0].params.logprobs for i in want_lp)
                 idx = torch.tensor(want_lp, device=logits.device)
-                lps = token_logprobs(sel[idx], toks[idx], top_n)
+                lps = token_logprobs(sel[idx], torch.tensor([toks[i] for i in want_lp], device=logits.device), top_n)
                 for i, lp in zip(want_lp, lps):
                     n = plain_reqs[i][0].params.logprobs
                     lp.top = dict(list(lp.top.items())[:n])
                     plain_reqs[i][1].logprobs = [lp]
-            for (req, res), t in zip(plain_reqs, tok_list):
+            for (req, res), t in zip(plain_reqs, toks):
                 res.sampled = [t]
+        return results
+
+    def _execute_decodes(self, out: SchedulerOutput) -> dict[str, StepResult] | None:
+        """The common step while nothing is prefilling: every request feeds its last token (and
+        any draft tokens to verify) and samples, each in its decode slot. Done without the general
+        planning (no row plans, no per-request index tensors; every row's logits are wanted).
+        None when the step is anything else (a prefill chunk, logprobs asked for, or no free
+        slot), which the general path then runs."""
+        slots, bs = self.slots, self.cache.block_size
+        assert slots is not None
+        spec = False
+        for s in out.scheduled:
+            req = s.request
+            if (s.start != req.num_tokens - 1 or req.params.logprobs is not None
+                    or req.params.prompt_logprobs is not None):
+                return None
+            spec = spec or bool(s.spec_token_ids)
+        slot_of, block_ids = slots.slot_of, self.kv.block_ids
+        rows = []
+        for s in out.scheduled:
+            req = s.request
+            rid = req.request_id
+            slot = slot_of.get(rid)
+            if slot is None:
+                slot = slots.assign(req, self.cache, block_ids(rid), s.start)
+                if slot is None:
+                    return None
+            rows.append((slot, s))
+        rows.sort(key=lambda r: r[0])
+        n = len(rows)
+        sl = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
+        pos = np.fromiter((r[1].start for r in rows), dtype=np.int64, count=n)
+        if not spec:
+            blk = np.fromiter((block_ids(s.request.request_id)[s.start // bs] for _, s in rows), dtype=np.int64, count=n)
+            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows])
+            reqs = [s.request for _, s in rows]
+            if all(r.params.greedy for r in reqs):
+                toks = greedy_tokens(logits)
+            else:
+                toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return {r.request_id: StepResult(sampled=[t]) for r, t in zip(reqs, toks)}
+        # decodes verifying draft tokens: rows [last confirmed token, drafts...] per request
+        tokens, blk = [], []
+        for _, s in rows:
+            ids = block_ids(s.request.request_id)
+            tokens.append(s.request.token_ids[s.start])
+            tokens.extend(s.spec_token_ids)
+            blk.extend(ids[p // bs] for p in range(s.start, s.start + s.num_new_tokens))
+        nq = np.fromiter((s.num_new_tokens for _, s in rows), dtype=np.int64, count=n)
+        logits = run_decodes(self.model, self.cache, slots, sl, pos, np.asarray(blk, dtype=np.int64), tokens, nq)
+        greedy = greedy_tokens(logits) if any(s.request.params.greedy for _, s in rows) else None
+        results, off = {}, 0
+        for _, s in rows:
+            req, m, drafts = s.request, s.num_new_tokens, s.spec_token_ids
+            if req.params.greedy:  # accept while the target's argmax agrees, then its own token
+                best = greedy[off: off + m]  # type: ignore[index]
+                j = 0
+                while j < len(drafts) and best[j] == drafts[j]:
+                    j += 1
+                sampled = drafts[:j] + [best[j]]
+            elif drafts:
+                probs = req.spec_draft_probs
+                sampled = rejection_sample(logits[off: off + m], drafts,
+                                           None if probs is None else probs[: len(drafts)], req.params, req.generator)
+            else:
+                sampled = [int(self.sampler(logits[off: off + 1], [req.params], [req.generator])[0])]
+            results[req.request_id] = StepResult(sampled=sampled)
+            off += m
         return results

@@ -113,18 +113,40 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) ->
     return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids.tolist(), chosen, tops)]
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row [N, V] as Python ints. On CPU through numpy: torch's argmax over a short
+    last dimension costs ~20x numpy's (66 vs 3.6 us for 32 x 1024), and both pick the first maximum."""
+    if logits.device.type == "cpu":
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
-    """Samples one token per request from the last row of its logits, batching the greedy rows."""
+    """Samples one token per request from the last row of its logits: every greedy row in one
+    argmax; rows sampling with the same params and no seed of their own in one multinomial call;
+    seeded rows each from their own generator (their samples must not depend on batch mates)."""
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    ) -> list[int]:
+        n = logits.shape[0]
         greedy = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy) == n:
+            return greedy_tokens(logits)
+        out = [0] * n
         if greedy:
-            gi = torch.tensor(greedy, device=logits.device)
-            out[gi] = logits[gi].argmax(dim=-1)
+            for i, t in zip(greedy, greedy_tokens(logits[torch.tensor(greedy, device=logits.device)])):
+                out[i] = t
+        shared: dict[tuple, list[int]] = {}  # unseeded rows, grouped by what shapes their distribution
         for i, p in enumerate(params):
-            if not p.greedy:
-                out[i] = sample_rows(logits[i:i + 1], p, generators[i])[0]
+            if p.greedy:
+                continue
+            if generators[i] is None:
+                shared.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+            else:
+                out[i] = int(sample_rows(logits[i:i + 1], p, generators[i])[0])
+        for rows in shared.values():
+            idx = torch.tensor(rows, device=logits.device)
+            for i, t in zip(rows, sample_rows(logits[idx], params[rows[0]], None).tolist()):
+                out[i] = t
         return out

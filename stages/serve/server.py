@@ -395,7 +395,9 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
     e = router.primary.engine
     console.print(f"serving [bold]{e.model_name}[/bold] ({router.model_names()}) at http://{host}:{port}/v1 "
                   f"- {e.kv.pool.num_blocks} KV blocks of {e.config.block_size} tokens, "
-                  f"{e.kv_bytes_per_token} bytes/token; metrics at /metrics")
+                  f"{e.kv_bytes_per_token} bytes/token; "
+                  + (f"forward compiled in {e.compile_seconds:.1f} s; " if e.model.pieces.compiled else "eager; ")
+                  + "metrics at /metrics")
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

@@ -17,7 +17,8 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     rc = bench_serve_command(str(tiny_hf_model_dir), num_prompts=6, concurrency=3, input_len=16, output_len=8,
                              baseline="hf", baseline_sequential_requests=2, speculative=True,
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
-                             rounds=1, server="process", out=str(out), num_kv_blocks=64)
+                             rounds=1, server="process", out=str(out), num_kv_blocks=64,
+                             enforce_eager=True)  # compiling would cost the suite ~10-40 s
     assert rc == 0
     lines = {d["figure"]: d for d in map(json.loads, out.read_text().splitlines())}
     serve = lines["serve"]
@@ -37,6 +38,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
         assert lines[b]["ratio"] == pytest.approx(serve["output_tokens_per_s"] / lines[b]["baseline_output_tokens_per_s"])
     for kind in ("speculative_ngram", "speculative_draft"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
+        assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 1  # rounds=1
         assert 0 <= lines[kind]["acceptance_rate"] <= 1
 
 

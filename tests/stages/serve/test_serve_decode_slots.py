@@ -1,5 +1,5 @@
 """Decode slots (contiguous K/V rows read in place by decode attention) change no output, whatever
-happens to the rows: preemption, finishing and reuse, growth; and stream_interval only regroups
+happens to the rows: preemption, finishing and reuse, moves into holes, growth; and stream_interval only regroups
 what is streamed, never what is generated."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def test_decode_slots_give_the_same_tokens_with_preemption_and_reuse(tiny_hf_mod
     got = [o.token_ids for o in with_slots.generate(prompts, params)]
     assert with_slots.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert with_slots.runner.slots.capacity > 16
+    assert with_slots.runner.slots.num_moves > 0, "requests finishing below running ones were meant to leave holes"
     assert with_slots.kv.num_allocated_blocks == 0
     plain = LLMEngine(tiny_hf_model_dir, EngineConfig(decode_slots=False, **cfg))
     assert plain.runner.slots is None

@@ -124,6 +124,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert k1.token_ids == engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0))[0].token_ids
 
 
+def test_sampler_batches_rows_and_keeps_seeded_rows_their_own():
+    from stages.serve.sampling import Sampler, make_generator, sample_rows
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=0.9, seed=11)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1), seeded,
+              SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, top_p=1e-6)]
+    gens = [make_generator(p) for p in params]
+    got = Sampler()(logits, params, gens)
+    best = logits.argmax(dim=-1).tolist()
+    # greedy rows, and unseeded rows whose distribution keeps one token (grouped by params), are the argmax
+    assert [got[i] for i in (0, 1, 3, 4, 5)] == [best[i] for i in (0, 1, 3, 4, 5)]
+    # a seeded row draws from its own generator, as it would alone
+    assert got[2] == int(sample_rows(logits[2:3], seeded, make_generator(seeded))[0])
+
+
 def test_stop_strings_tokens_and_max_tokens(engine):
     base = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 20

@@ -3,6 +3,8 @@ rejection sampling that leaves the target distribution unchanged (chi-square).""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -39,6 +41,22 @@ def test_speculative_greedy_equals_plain(kind, plain, tiny_hf_model_dir, tiny_hf
     assert spec.kv.num_allocated_blocks == 0
 
 
+def test_speculative_in_decode_slots_with_preemption_equals_plain(plain, tiny_hf_model_dir):
+    """Verification reads the requests' decode slots (k+1 causal rows each, rejected drafts'
+    K/V overwritten later); a pool too small for all of them forces preemptions on top."""
+    prompts = CODE + [f"def f{i}(x):\n    return x * {i}\n" for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    tight = LLMEngine(tiny_hf_model_dir, EngineConfig(num_kv_blocks=14, enable_prefix_caching=False,
+                                                      speculative="ngram", num_speculative_tokens=3))
+    assert tight.runner.slots is not None
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.metrics.spec_accepted.value(model=tight.model_name) > 0
+    assert got == want
+    assert tight.kv.num_allocated_blocks == 0
+
+
 def test_speculative_sampling_runs_and_respects_max_tokens(tiny_hf_model_dir, tiny_hf_draft_dir):
     spec = LLMEngine(tiny_hf_model_dir, EngineConfig(num_kv_blocks=128, speculative="draft",
                                                      draft_model_dir=str(tiny_hf_draft_dir)))
@@ -54,6 +72,25 @@ def test_ngram_proposer_finds_latest_match():
     # a loop: the latest match is right behind, and the proposal continues the period
     assert prop.propose_one([4, 4, 4, 4], 3) == [4, 4, 4]
     assert prop.propose_one([9, 1, 2, 1, 2, 1, 2], 3) == [1, 2, 1]
+    # against a plain scan, on ids whose bytes also match across token boundaries
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.choice([0, 1, 256, 257, 65536, 2**40]) for _ in range(rng.randint(1, 30))]
+        n_min = rng.randint(1, 3)
+        p = NgramProposer(k=4, n_max=rng.randint(n_min, 4), n_min=n_min)
+        assert p.propose_one(tokens, 4) == _latest_match_scan(tokens, 4, p.n_max, p.n_min), tokens
+
+
+def _latest_match_scan(tokens, k, n_max, n_min):
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        for start in range(L - 1 - n, -1, -1):
+            if tokens[start:start + n] == tokens[L - n:]:
+                out = tokens[start + n: start + n + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (L - start - n)])
+                return out
+    return []
 
 
 def _chi2_first_token(p_logits, draft_probs, k, trials, greedy=False, seed=0):
