@@ -156,7 +156,8 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
+        # mask by keyword: tensor parallel's PrepareModuleInput plans the three positional inputs only
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask=mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
