@@ -16,7 +16,7 @@ from .kv_cache import KVCacheManager
 from .model import KVCacheTensors, PagedLlama, run_paged
 from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
 from .scheduler import SchedulerOutput, StepResult
-from .speculative import rejection_sample
+from .speculative import accept_greedy, rejection_sample
 
 
 class ModelRunner:
@@ -157,10 +157,7 @@ class ModelRunner:
             blk = np.fromiter((block_ids(s.request.request_id)[s.start // bs] for _, s in rows), dtype=np.int64, count=n)
             logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows])
             reqs = [s.request for _, s in rows]
-            if all(r.params.greedy for r in reqs):
-                toks = greedy_tokens(logits)
-            else:
-                toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])  # all greedy: one argmax
             return {r.request_id: StepResult(sampled=[t]) for r, t in zip(reqs, toks)}
         # decodes verifying draft tokens: rows [last confirmed token, drafts...] per request
         tokens, blk = [], []
@@ -175,12 +172,8 @@ class ModelRunner:
         results, off = {}, 0
         for _, s in rows:
             req, m, drafts = s.request, s.num_new_tokens, s.spec_token_ids
-            if req.params.greedy:  # accept while the target's argmax agrees, then its own token
-                best = greedy[off: off + m]  # type: ignore[index]
-                j = 0
-                while j < len(drafts) and best[j] == drafts[j]:
-                    j += 1
-                sampled = drafts[:j] + [best[j]]
+            if req.params.greedy:
+                sampled = accept_greedy(greedy[off: off + m], drafts)  # type: ignore[index]
             elif drafts:
                 probs = req.spec_draft_probs
                 sampled = rejection_sample(logits[off: off + m], drafts,

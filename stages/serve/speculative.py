@@ -21,6 +21,14 @@ from .request import Request
 from .sampling import greedy_tokens, processed_probs
 
 
+def accept_greedy(best: list[int], draft_tokens: list[int]) -> list[int]:
+    """Greedy verification: the drafts while the target's argmax `best` ([k+1]) agrees, then its own token."""
+    j = 0
+    while j < len(draft_tokens) and best[j] == draft_tokens[j]:
+        j += 1
+    return draft_tokens[:j] + [best[j]]
+
+
 def rejection_sample(
     target_logits: torch.Tensor,  # [k+1, V]
     draft_tokens: list[int],  # k
@@ -31,13 +39,7 @@ def rejection_sample(
     """Accepted draft tokens followed by one token from the target (recovered or bonus)."""
     k = len(draft_tokens)
     if params.greedy:
-        best = greedy_tokens(target_logits)
-        out = []
-        for i in range(k):
-            if best[i] != draft_tokens[i]:
-                return out + [best[i]]
-            out.append(draft_tokens[i])
-        return out + [best[k]]
+        return accept_greedy(greedy_tokens(target_logits), draft_tokens)
     p = processed_probs(target_logits, params)  # [k+1, V]
     u = torch.rand(k, generator=generator, device=p.device) if k else None
     out = []
