@@ -23,7 +23,7 @@ from .gguf_loader import find_gguf
 from .kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
-from .request import Request, RequestStatus
+from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, TokenLogprob, make_generator
 from .scheduler import Scheduler, SchedulerConfig
@@ -298,7 +298,6 @@ class LLMEngine:
         # metrics gathered over the step and recorded once (one lock and label lookup per step, not per request)
         ttft, queue, itl = [], [], []
         num_generated = num_proposed = num_accepted = 0
-        finished_status = RequestStatus.FINISHED
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id
@@ -308,8 +307,8 @@ class LLMEngine:
                     num_proposed += len(s.spec_token_ids)
                     num_accepted += len(res.sampled) - 1
             done = emitted.get(rid, 0)
-            new = len(req.token_ids) - req.num_prompt_tokens - done
-            finished = req.status is finished_status
+            new = req.num_output_tokens - done
+            finished = req.is_finished
             if not finished and (new == 0 or (done and new < interval and not req.params.stop)):
                 continue  # nothing new, or buffered until `interval` tokens have accumulated
             if finished:
@@ -349,7 +348,7 @@ class LLMEngine:
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
         d = self._detok.get(req.request_id) or _Detok(req.params.stop, self._decode)
-        out_ids = req.token_ids[req.num_prompt_tokens:]
+        out_ids = req.output_token_ids
         if num_new or req.is_finished:
             seen = len(d.text)
             d.update(out_ids)

@@ -27,14 +27,7 @@ class Histogram:
         self._lock = threading.Lock()
 
     def observe(self, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            s = self._series.setdefault(key, [0] * len(self.buckets) + [0.0, 0])
-            i = bisect.bisect_left(self.buckets, value)
-            if i < len(self.buckets):
-                s[i] += 1
-            s[-2] += value
-            s[-1] += 1
+        self.observe_many([value], **labels)
 
     def observe_many(self, values: list[float], **labels: str) -> None:
         """Several observations of one label set at once (an engine step's worth)."""
