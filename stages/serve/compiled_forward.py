@@ -4,14 +4,17 @@ compiled with `torch.compile` (inductor), as vLLM compiles its model by default 
 `--enforce-eager` turns that off; here `EngineConfig.enforce_eager`).
 
 What is compiled is the step that dominates serving: every running request decoding in its decode
-slot (decode_slots.py), with or without draft tokens to verify. `dense_decode` runs that step
-whole, all layers, the cache writes and the attention over the slot rows included, as one graph:
-one call per step instead of ~30 small ops per layer, each paying its dispatch cost (most of a
-step's time on a tiny model on CPU). Its sizes (sequences, context, slot capacity) are read off
-tensor shapes, so one graph serves them all; a lone sequence (size 1, which torch specialises) and
-each query count (1, or 1 + k when speculating) get their own. Mixed steps (prefill chunks beside
-decodes) stay eager: compiling the pieces between attentions one by one was measured no faster,
-the cost of entering each compiled call (~80 us of guards and wrappers) eating what fusion saved.
+slot (decode_slots.py), with or without draft tokens to verify, and the same step with whole
+prompts of requests joining the batch prefilled alongside (at concurrency 32 about one step in six
+has one; run eagerly, they took a third of the serving time). `dense_decode` runs that step whole,
+all layers, the cache writes and the attention included, as one graph: one call per step instead of
+~30 small ops per layer, each paying its dispatch cost (most of a step's time on a tiny model on
+CPU). Its sizes (sequences, context, slot capacity, prompt rows) are read off tensor shapes, so one
+graph serves them all; a lone sequence (size 1, which torch specialises), each query count (1, or
+1 + k when speculating) and the joining-prompts case get their own. Other mixed steps (a chunk of a
+long prompt, a prompt after a prefix-cache hit, logprobs) stay eager: compiling the pieces between
+attentions one by one was measured no faster, the cost of entering each compiled call (~80 us of
+guards and wrappers) eating what fusion saved.
 
 The engine warms every variant up at start, so no request pays for compiling. A call that fails
 to compile logs a warning, is redone eagerly (its writes are idempotent: the same K/V to the same
@@ -94,28 +97,49 @@ class EagerPieces:
         return self.attn_out(x, attn, w_out)
 
     def dense_decode(self, ids, embed, cos, sin, slot_mapping, dest, mask, pool, slot_kv, weights,
-                     final_norm, lm_head, lo: int):
+                     final_norm, lm_head, lo: int, prefill_mask=None, logits_rows=None):
         """A whole all-decode step (model.forward's `whole` case: every sequence in its decode slot,
         the slots lo.. all in use, each feeding Q tokens: 1, or 1 + its draft tokens to verify),
         as one function: writes each layer's K/V to the pool and to the slots, attends over the
         slot rows, returns the logits of every row. The mask, [1, S, Q*group, context], gives the
-        number of sequences and the context (sizes, not ints: they stay symbolic when compiled)."""
+        number of sequences and the context (sizes, not ints: they stay symbolic when compiled).
+
+        With `prefill_mask` ([P, P], additive), the P rows after the decode rows are whole prompts
+        starting at position 0 (requests joining the batch), attending among themselves: causal
+        within each prompt, blocked across prompts. Their K/V go to the pool only; they take a
+        decode slot when they decode. Logits are then of `logits_rows` only."""
         nh, kvh, d = self.nh, self.kvh, self.d
         group, T = nh // kvh, ids.shape[0]
         S, ctx = mask.shape[1], mask.shape[3]
         Q = mask.shape[2] // group
+        n_dec = S * Q
+        scale = 1.0 / math.sqrt(d)
         x = embed[ids]
         for li, (w_in, w_out) in enumerate(weights):
             q, kv_new = self.attn_in(x, w_in, cos, sin)
             pool[li][:, :, slot_mapping] = kv_new  # write first, then read (as model.forward)
             kv = slot_kv[li]
             two, _, S_all, cap, _ = kv.shape
-            kv.view(two, kvh, S_all * cap, d).index_copy_(2, dest, kv_new)
+            kv.view(two, kvh, S_all * cap, d).index_copy_(2, dest, kv_new if prefill_mask is None else kv_new[:, :, :n_dec])
             kk, vv = kv[0, :, lo:lo + S, :ctx], kv[1, :, lo:lo + S, :ctx]
-            qq = q.reshape(S, Q, kvh, group, d).permute(2, 0, 1, 3, 4).reshape(kvh, S, Q * group, d)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=1.0 / math.sqrt(d))
-            x = self.attn_out(x, o.view(kvh, S, Q, group, d).permute(1, 2, 0, 3, 4).reshape(T, nh, d), w_out)
-        return self.head(x, final_norm, lm_head)
+            qq = q[:n_dec].reshape(S, Q, kvh, group, d).permute(2, 0, 1, 3, 4).reshape(kvh, S, Q * group, d)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+            o = o.view(kvh, S, Q, group, d).permute(1, 2, 0, 3, 4).reshape(n_dec, nh, d)
+            if prefill_mask is not None:
+                o = torch.cat((o, self._prefill_attention(q[n_dec:], kv_new[:, :, n_dec:], prefill_mask, scale)))
+            x = self.attn_out(x, o, w_out)
+        return self.head(x if logits_rows is None else x[logits_rows], final_norm, lm_head)
+
+    def _prefill_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [P, heads, d], kv [2, kv_heads, P, d] -> [P, heads, d]. Query head h reads KV head
+        h // group (HF's repeat_kv); K/V are broadcast over the group, not copied."""
+        kvh, d = self.kvh, self.d
+        P, group = q.shape[0], self.nh // kvh
+        qq = q.view(P, kvh, group, d).permute(1, 2, 0, 3)  # [kv_heads, group, P, d]
+        k = kv[0][:, None].expand(kvh, group, P, d)
+        v = kv[1][:, None].expand(kvh, group, P, d)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale)
+        return o.permute(2, 0, 1, 3).reshape(P, self.nh, d)
 
     def head(self, x, final_norm, lm_head):
         """Logits (float32) of the rows given."""
@@ -180,23 +204,32 @@ class CompiledPieces:
         t0 = time.perf_counter()
         weights = [m.layer_weights(li) for li in range(len(m.layers))]
         slots.ensure_capacity(8)  # outside inference mode: the slots are written in place later
-        for Q in sorted({1, 1 + num_speculative_tokens}):
-            for S in (2, 1):
-                self._warm_decode(cache, slots, weights, S, Q, ctx=Q + 3)
-                if m.pieces is not self:
-                    return False
+        variants = [(S, Q, ()) for Q in sorted({1, 1 + num_speculative_tokens}) for S in (2, 1)]
+        variants.append((2, 1, (3, 2)))  # decodes with whole prompts joining (runner._execute_decodes)
+        for S, Q, prompts in variants:
+            self._warm_decode(cache, slots, weights, S, Q, ctx=Q + 3, prompts=prompts)
+            if m.pieces is not self:
+                return False
         self.compile_seconds += time.perf_counter() - t0
         return True
 
-    def _warm_decode(self, cache, slots, weights, S: int, Q: int, ctx: int) -> None:
+    def _warm_decode(self, cache, slots, weights, S: int, Q: int, ctx: int, prompts: tuple[int, ...] = ()) -> None:
         m = self.model
         s, dev = m.shape, m.device
         qk_norm = weights[0][0][3] is not None
         group = s.num_heads // s.num_kv_heads
-        T = S * Q
         pos = (torch.arange(Q, device=dev) + ctx - Q).repeat(S)
-        ids = torch.zeros(T, dtype=torch.long, device=dev)
         dest = torch.arange(S, device=dev).repeat_interleave(Q) * slots.capacity + pos
+        prefill_mask = logits_rows = None
+        if prompts:  # as decode_slots.run_decodes lays them out
+            doc = torch.repeat_interleave(torch.arange(len(prompts), device=dev), torch.tensor(prompts, device=dev))
+            p_pos = torch.cat([torch.arange(n, device=dev) for n in prompts])
+            visible = (doc[:, None] == doc[None, :]) & (p_pos[None, :] <= p_pos[:, None])
+            prefill_mask = torch.zeros(visible.shape, device=dev).masked_fill(~visible, float("-inf")).to(m.dtype)
+            logits_rows = torch.cat((torch.arange(S * Q, device=dev),
+                                     S * Q + torch.cumsum(torch.tensor(prompts, device=dev), 0) - 1))
+            pos = torch.cat((pos, p_pos))
+        ids = torch.zeros(pos.shape[0], dtype=torch.long, device=dev)
         # laid out as decode_slots.dense_group lays it out (strides are guarded too)
         if Q == 1:
             mask = torch.zeros(S, ctx, device=dev).to(m.dtype)[None, :, None, :].expand(1, S, group, ctx)
@@ -208,7 +241,9 @@ class CompiledPieces:
             cos = m.cos[pos][:, None, :]
             sin = (m.sin if qk_norm else m.sin_signed)[pos][:, None, :]
             dyn = [(t, 0) for t in (ids, cos, sin, pos, dest)] + [(mask, 1)] if S > 1 else []
+            if prompts:  # any number and length of prompts
+                dyn += [(prefill_mask, 0), (prefill_mask, 1), (logits_rows, 0)]
             for t, dim in dyn + [(mask, 3)] + [(kv, 3) for kv in slots.kv]:  # any T, context and capacity
                 torch._dynamo.mark_dynamic(t, dim)
             self.dense_decode(ids, m.embed, cos, sin, pos, dest, mask, cache.kv, slots.kv, weights,
-                              m.final_norm, m.lm_head, 0)
+                              m.final_norm, m.lm_head, 0, prefill_mask, logits_rows)

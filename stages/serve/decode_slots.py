@@ -207,19 +207,38 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
 
 
 def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray,
-                blk: np.ndarray, tokens: list[int], nq: np.ndarray | None = None) -> torch.Tensor:
+                blk: np.ndarray, tokens: list[int], nq: np.ndarray | None = None,
+                prompts: list[tuple[list[int], list[int]]] | None = None) -> torch.Tensor:
     """The all-decode step: every sequence in a decode slot, given in slot order (`sl` ascending),
     feeding `nq[i]` tokens (default one each; more with draft tokens to verify) from position
     `pos[i]`. `tokens`, and `blk` (the pool block of each token's position), are per token, the
     sequences' rows consecutive. Returns logits for every token, in the same order: no planning,
-    no per-row index."""
+    no per-row index.
+
+    `prompts` (compiled models, one token per decode): whole prompts, each (token ids, block ids),
+    prefilled in the same forward after the decodes (requests joining a running batch). Logits are
+    then of the decodes and of each prompt's last token, in that order."""
     dev = model.device
     group = model.shape.num_heads // model.shape.num_kv_heads
     g, step = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
     bs = cache.block_size
     row_pos = pos if nq is None else np.repeat(pos, nq) + (np.arange(len(tokens)) - np.repeat(np.cumsum(nq) - nq, nq))
-    meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
-    return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None)
+    if not prompts:
+        meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
+        return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None)
+    lens = np.fromiter((len(ids) for ids, _ in prompts), dtype=np.int64, count=len(prompts))
+    ends = np.cumsum(lens)
+    p_pos = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)  # 0.. within each prompt
+    p_blk = np.concatenate([np.asarray(blocks, dtype=np.int64)[np.arange(len(ids)) // bs] for ids, blocks in prompts])
+    doc = np.repeat(np.arange(len(prompts)), lens)
+    visible = (doc[:, None] == doc[None, :]) & (p_pos[None, :] <= p_pos[:, None])
+    n = len(tokens)
+    meta = AttentionMetadata(_to(np.concatenate((blk * bs + row_pos % bs, p_blk * bs + p_pos % bs)), dev),
+                             _to(np.concatenate((row_pos, p_pos)), dev), [g], dense=step,
+                             prefill_mask=_to(np.where(visible, np.float32(0.0), np.float32(-np.inf)), dev).to(model.dtype))
+    ids = tokens + [t for p, _ in prompts for t in p]
+    logits_rows = _to(np.concatenate((np.arange(n), n + ends - 1)), dev)
+    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, logits_rows)
 
 
 def run_with_slots(

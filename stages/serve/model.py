@@ -113,6 +113,9 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each token in its sequence
     groups: list[AttentionGroup]
     dense: object | None = None  # decode_slots.DenseStep: these rows' K/V also go to their decode slots
+    # [P, P] additive: the last P rows are whole prompts from position 0 that attend among themselves
+    # (the compiled step's decodes-and-prompts case, compiled_forward.dense_decode)
+    prefill_mask: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -373,13 +376,15 @@ class PagedLlama:
         # decode slots): its output is the attention output itself, no scatter into a buffer
         whole = len(meta.groups) == 1 and meta.groups[0].row_range == (0, T)
         pieces = self.pieces
-        if whole and pieces.compiled and logits_index is None and not cache.fp8:
+        if meta.prefill_mask is not None or (whole and pieces.compiled and logits_index is None and not cache.fp8):
             g = meta.groups[0]
-            if g.dense is not None:  # an all-decode step (drafts to verify or not): one compiled call
+            # an all-decode step (drafts to verify or not), or decodes plus whole prompts: one compiled call
+            if g.dense is not None:
                 st = g.dense
                 weights = [self.layer_weights(li) for li in range(len(self.layers))]
                 return pieces.dense_decode(input_ids, self.embed, cos, sin, meta.slot_mapping, st.dest, g.mask,
-                                           cache.kv, st.slots.kv, weights, self.final_norm, self.lm_head, st.lo)
+                                           cache.kv, st.slots.kv, weights, self.final_norm, self.lm_head, st.lo,
+                                           meta.prefill_mask, logits_index)
         x = self.embed[input_ids]
         scale = 1.0 / math.sqrt(d)
         group = nh // kvh

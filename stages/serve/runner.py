@@ -124,23 +124,34 @@ class ModelRunner:
         return results
 
     def _execute_decodes(self, out: SchedulerOutput) -> dict[str, StepResult] | None:
-        """The common step while nothing is prefilling: every request feeds its last token (and
-        any draft tokens to verify) and samples, each in its decode slot. Done without the general
-        planning (no row plans, no per-request index tensors; every row's logits are wanted).
-        None when the step is anything else (a prefill chunk, logprobs asked for, or no free
-        slot), which the general path then runs."""
+        """The common steps: every request feeds its last token (and any draft tokens to verify)
+        and samples, each in its decode slot, and (compiled models) requests joining the batch
+        prefill their whole prompts in the same forward. Done without the general planning (no
+        row plans, no per-request index tensors). None when the step is anything else (a chunk of
+        a prompt, a prompt after a prefix-cache hit, logprobs asked for, no free slot), which the
+        general path then runs."""
         slots, bs = self.slots, self.cache.block_size
         assert slots is not None
         spec = False
+        decodes, prompts = [], []
         for s in out.scheduled:
             req = s.request
-            if (s.start != req.num_tokens - 1 or req.params.logprobs is not None
-                    or req.params.prompt_logprobs is not None):
+            if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
                 return None
-            spec = spec or bool(s.spec_token_ids)
+            if s.start == req.num_tokens - 1:
+                decodes.append(s)
+                spec = spec or bool(s.spec_token_ids)
+            elif s.start == 0 and s.num_new_tokens == req.num_tokens > 1:
+                prompts.append(s)  # a whole prompt (no prefix hit, not chunked): prefilled beside the decodes
+            else:
+                return None
+        # whole prompts join the compiled step: with plain decodes only, and at least two of them
+        # (the variant warmed up; a lone decode has its own specialised graph)
+        if prompts and (spec or len(decodes) < 2 or not self.model.pieces.compiled):
+            return None
         slot_of, block_ids = slots.slot_of, self.kv.block_ids
         rows = []
-        for s in out.scheduled:
+        for s in decodes:
             req = s.request
             rid = req.request_id
             slot = slot_of.get(rid)
@@ -153,10 +164,14 @@ class ModelRunner:
         n = len(rows)
         sl = np.fromiter((r[0] for r in rows), dtype=np.int64, count=n)
         pos = np.fromiter((r[1].start for r in rows), dtype=np.int64, count=n)
+        if prompts and int(sl[-1]) - int(sl[0]) + 1 != n:  # a running request sits this step out: its row is a hole
+            return None
         if not spec:
             blk = np.fromiter((block_ids(s.request.request_id)[s.start // bs] for _, s in rows), dtype=np.int64, count=n)
-            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows])
-            reqs = [s.request for _, s in rows]
+            whole = [(s.request.token_ids, block_ids(s.request.request_id)) for s in prompts]
+            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows],
+                                 prompts=whole)
+            reqs = [s.request for _, s in rows] + [s.request for s in prompts]
             toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])  # all greedy: one argmax
             return {r.request_id: StepResult(sampled=[t]) for r, t in zip(reqs, toks)}
         # decodes verifying draft tokens: rows [last confirmed token, drafts...] per request
