@@ -16,6 +16,7 @@ from typing import Any
 from infra.launch import TrackingRef, get_launcher
 from infra.launch.job import JobResult, JobSpec
 
+from .activation_plot import plot_activation_stats
 from .attempts import DivergenceBudgetSpent, TrainingDiverged, TrainingJobFailed, next_launch, settle
 from .base import StageContext
 
@@ -105,4 +106,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     result = launch_and_wait(ctx, spec)
     summary: dict[str, Any] = {"steps": result.steps, "params": counts["total"], **result.metrics, **predicted}
     summary.update(compare_prediction(summary))
+    metrics = Path(spec.output) / "metrics.jsonl"
+    if metrics.is_file():
+        png = plot_activation_stats(metrics, Path(spec.output) / "activations.png", f"pretrain {ctx.cfg.name}")
+        if png is not None:
+            ctx.log_artifact(png)
     return summary

@@ -36,6 +36,7 @@ from .loss import IGNORE_INDEX, HeadLoss, TokenLoss, moe_aux_loss, moe_layers
 from .metrics import MetricsSink, flops_per_token, measure_peak_flops, peak_memory_gb
 from .model import Transformer
 from .model.moe import imbalance
+from .activation_stats import ActivationStats
 from .optim import clip_grad_norm, lr_at, set_lr
 from .parallel import ParallelDims, build_parallel_dims, parallelize
 from .parallel.comm_accounting import StepComm
@@ -249,6 +250,8 @@ class Trainer:
         self.model = parallelize(build_model(self.cfg, self.device, self.seed), self.dims, self.cfg.parallel, t)
         self.optimizer = build_parallel_optimizer(unwrap(self.model), self.dims, self.cfg.parallel, t)
         self.comm = StepComm(self.dims, enabled=not t.compile)
+        self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
+            if t.activation_stats else None
         self.objective = LanguageModelling(z_loss=self.cfg.model.z_loss)
         if self.dims.cp > 1:  # each rank its zigzag share of every sequence; tokens agreed over dp x cp
             from .parallel.context_parallel import context_parallel_setup
@@ -276,6 +279,9 @@ class Trainer:
         try:
             while self.step < t.steps:
                 micro = self.recovery.next_batch()
+                logged = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
+                if logged and self.activations is not None:
+                    self.activations.start()
                 t0 = time.perf_counter()
                 with self.comm.count():  # collectives per mesh dimension (parallel/comm_accounting.py)
                     res = train_step(self.model, self.optimizer, micro, self.objective, t, self.step, self.device,
@@ -284,6 +290,7 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.perf_counter() - t0
+                acts = self.activations.finish() if logged and self.activations is not None else {}
                 self.step += 1
                 tokens_per_s = t.global_batch_size * t.seq_len / dt
                 if self.step > 1 or t.steps == 1:
@@ -309,8 +316,8 @@ class Trainer:
                     break
                 if verdict == "rolled_back":
                     continue
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    sink.log(last, self.step)
+                if logged:
+                    sink.log({**last, **acts}, self.step)
                 if self.val_batches and t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     sink.log({"val_loss": self._evaluate()}, self.step)
                 sink.advance()
@@ -322,6 +329,8 @@ class Trainer:
         finally:
             sink.close()
             self.recovery.close()
+            if self.activations is not None:
+                self.activations.close()
         if speeds:
             last["tokens_per_s"] = statistics.median(speeds)
             last["mfu"] = self.flops_per_token * last["tokens_per_s"] / (self.peak_flops * self.dims.world_size)

@@ -27,6 +27,7 @@ from infra.launch.base import endpoint_for
 from infra.launch.job import JobResult, JobSpec
 
 from . import posttrain_data as pdata
+from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
 from .lora import apply_lora, merged_state_dict, save_peft
 from .loop import train_step, unwrap
@@ -99,6 +100,8 @@ class PosttrainJob:
         if lora.enabled:
             apply_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         self.model = parallelize(base, self.dims, self.cfg.parallel, self.sc)
+        self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
+            if self.sc.activation_stats else None
         self.optimizer = build_optimizer(unwrap(self.model), self.sc)
         self.output = OutputFolder(spec.output, spec.workdir, ep)
         rows = pdata.read_jsonl(data_dir / "train.jsonl")
@@ -194,18 +197,22 @@ class PosttrainJob:
                 t0 = time.perf_counter()
                 item = next(batches)
                 micro, extra = item if self.step_name == "grpo" else (item, {})
+                logged = (self.step + 1) % s.log_every == 0 or self.step + 1 == s.steps
+                if logged and self.activations is not None:
+                    self.activations.start()
                 t1 = time.perf_counter()
                 res = train_step(self.model, self.optimizer, micro, self.objective, s, self.step, self.device,
                                  self.dp_group)
                 train_s = time.perf_counter() - t1
+                acts = self.activations.finish() if logged and self.activations is not None else {}
                 self.step += 1
                 last = {"loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr, "train_s": train_s,
                         "data_s": t1 - t0, **self.objective.pop_metrics(), **extra}
                 if not math.isfinite(res.loss):
                     status, message = "diverged", f"loss is {res.loss} at step {self.step}"
                     break
-                if self.step % s.log_every == 0 or self.step == s.steps:
-                    sink.log(last, self.step)
+                if logged:
+                    sink.log({**last, **acts}, self.step)
                 sink.advance()
         finally:
             sink.close()

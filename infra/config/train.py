@@ -54,6 +54,8 @@ class TrainConfig(Section):
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     compile: bool = False
     log_every: int = Field(1, ge=1)
+    activation_stats: bool = Field(True, description="per-layer RMS and absmax of the residual stream at every "
+                                   "logged step (act_rms/layer_NN, act_absmax/layer_NN; trainer/activation_stats.py)")
     eval_every: int = Field(0, ge=0, description="validation loss every N steps (0 = only at the end)")
     eval_batches: int = Field(4, ge=1)
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; None = measured")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from infra.config import LifecycleConfig
+from trainer.activation_stats import ActivationStats
 from trainer.data import MicroBatch
 from trainer.loop import LanguageModelling, build_model, train_step, unwrap
 from trainer.parallel import build_parallel_dims, parallelize
@@ -22,6 +23,7 @@ from trainer.parallel.comm_accounting import CommCounter
 from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes
 
 VOCAB, SEQ, GLOBAL, MICRO, STEPS = 320, 16, 8, 2, 5  # tokenizer.vocab_size >= 300
+ACTS_STEP = 2  # the step whose per-layer activation statistics are recorded (not the collectives-counted one)
 
 # name -> parallel: overrides (world size = dp * tp)
 LAYOUTS = {
@@ -96,9 +98,14 @@ def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
     objective = LanguageModelling(z_loss=cfg.model.z_loss)
     dp_group = dims.group("dp")
     losses, norms, comm = [], [], None
+    stats = ActivationStats(unwrap(model), cfg.model.n_layers, torch.device("cpu"))
     for step in range(t.steps):
         micro = micro_batches(step, dims.rank("dp"), dims.dp)
-        if step == count_step:
+        if step == ACTS_STEP:
+            stats.start()
+            res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
+            acts = stats.finish()
+        elif step == count_step:
             with CommCounter(dims.group_names()) as counter:
                 res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
             comm = [r.__dict__ | {"wire_bytes": r.wire_bytes} for r in counter.records]
@@ -106,7 +113,7 @@ def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
             res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
         losses.append(res.loss)
         norms.append(res.grad_norm)
-    out = {"losses": losses, "grad_norms": norms, "comm": comm, "state_bytes": optimizer_state_bytes(opt),
+    out = {"losses": losses, "grad_norms": norms, "comm": comm, "acts": acts, "state_bytes": optimizer_state_bytes(opt),
            "n_micro": len(micro), "params": sum(p.numel() for p in unwrap(model).parameters())}
     if optimizer == "sgd":
         out["state"] = full_state(model)

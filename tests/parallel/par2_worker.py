@@ -18,6 +18,9 @@ from infra.launch.job import JobSpec
 from trainer.loop import Trainer, init_distributed, train_step, unwrap
 
 
+ACTS_STEP = 1  # the step whose per-layer activation statistics are recorded (trainer/activation_stats.py)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """A plain copy of a weight (a tensor-parallel DTensor is gathered over its tp group)."""
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
@@ -37,8 +40,12 @@ def run(job_file: str, mode: str, out: Path) -> None:
     for step in range(tr.train_cfg.steps):
         if trace is not None:
             trace.reset()
+        if step == ACTS_STEP:
+            tr.activations.start()
         res = train_step(tr.model, tr.optimizer, tr.loader.next_step(), tr.objective, tr.train_cfg, step,
                          tr.device, tr.dp_group)
+        if step == ACTS_STEP:
+            acts = tr.activations.finish()
         losses.append(res.loss)
         norms.append(res.grad_norm)
         if trace is not None and step > 0:  # step 0 includes the schedule's set-up
@@ -48,7 +55,8 @@ def run(job_file: str, mode: str, out: Path) -> None:
     from trainer.parallel.context_parallel import ring_tiles_computed
     from trainer.parallel.zero1 import local, optimizer_state_bytes
 
-    record = {"losses": losses, "grad_norms": norms, "state": {k: full(v) for k, v in model.state_dict().items()},
+    record = {"losses": losses, "grad_norms": norms, "acts": acts, "n_layers": tr.cfg.model.n_layers,
+              "state": {k: full(v) for k, v in model.state_dict().items()},
               "tiles": ring_tiles_computed(model), "idle": idle, "peak_live": peaks, "moe": res.moe,
               "pp_rank": tr.dims.rank("pp"), "cp_rank": tr.dims.rank("cp"), "dp_rank": tr.dims.rank("dp"),
               "tp_rank": tr.dims.rank("tp"), "state_bytes": optimizer_state_bytes(tr.optimizer),

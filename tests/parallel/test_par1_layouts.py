@@ -69,6 +69,10 @@ def test_layout_matches_one_process(results, layout):
     assert ((got - ref).abs() / ref).max() < 1e-5, (layout, got.tolist(), ref.tolist())
     torch.testing.assert_close(torch.tensor(par["adamw"]["grad_norms"]), torch.tensor(one["adamw"]["grad_norms"]),
                                rtol=1e-4, atol=1e-6)
+    # per-layer activation statistics over the global batch, whatever each rank holds of it
+    assert par["adamw"]["acts"].keys() == one["adamw"]["acts"].keys() and len(one["adamw"]["acts"]) == 2 * L
+    for k, want in one["adamw"]["acts"].items():
+        assert abs(par["adamw"]["acts"][k] - want) <= 1e-4 * want, (layout, k, par["adamw"]["acts"][k], want)
     ref_sgd = torch.tensor(one["sgd"]["losses"], dtype=torch.float64)
     got_sgd = torch.tensor(par["sgd"]["losses"], dtype=torch.float64)
     assert ((got_sgd - ref_sgd).abs() / ref_sgd).max() < 1e-5

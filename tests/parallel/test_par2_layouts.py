@@ -96,6 +96,10 @@ def merged_state(records: list[dict]) -> dict[str, torch.Tensor]:
 def assert_close_losses(rec: dict, ref: dict) -> None:
     torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(rec["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-4, atol=1e-6)
+    # every rank reports every layer's activation statistics over the global batch, as one process does
+    assert rec["acts"].keys() == ref["acts"].keys() and len(ref["acts"]) == 2 * ref["n_layers"]
+    for k, want in ref["acts"].items():
+        assert abs(rec["acts"][k] - want) <= 1e-4 * want, (k, rec["acts"][k], want)
 
 
 def assert_same_training(records: list[dict], ref_adamw: dict, sgd_records: list[dict], ref_sgd: dict) -> None:

@@ -34,6 +34,10 @@ def test_python_m_trainer_writes_result(byte_tokens, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 12 and losses[-1] < losses[0]
+    # every logged step carries every layer's activation statistics (trainer/activation_stats.py)
+    n_layers = JobSpec.read(tmp_path / "job.yaml").config["model"]["n_layers"]
+    assert all(f"act_rms/layer_{n_layers - 1:02d}" in r and r["act_absmax/layer_00"] > r["act_rms/layer_00"] > 0
+               for r in rows if "loss" in r)
     assert sum("val_loss" in r for r in rows) == 2  # step 6 and the end
     assert 0 < result.metrics["mfu"] < 1
 

@@ -61,6 +61,7 @@ def test_three_steps_end_to_end(tmp_path):
     assert {"reward_margin", "preference_accuracy", "logps_chosen", "logps_rejected"} <= set(metrics[-1])
     grpo = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert len(grpo) == 2 and {"reward_mean", "accuracy", "kl", "response_length", "rollout_s", "train_s"} <= set(grpo[-1])
+    assert all(row["act_rms/layer_00"] > 0 for row in metrics + grpo)  # per-layer activation statistics
     assert "preference_accuracy_before" in result["dpo"] and "preference_accuracy_after" in result["dpo"]
     assert result["dpo"]["preference_pairs_n"] == 16 and "preference_accuracy_gain_se" in result["dpo"]
     assert not any(k.endswith("_outcomes") for k in result["dpo"])  # per-item outcomes stay in posttrain.json

@@ -37,6 +37,9 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     assert (tmp_path / "out" / "result.json").is_file()
     history = client.get_metric_history(run_id, "loss")
     assert [m.step for m in history] == list(range(1, 9))
+    # per-layer activation statistics at every logged step, and their picture in the artifact
+    assert [m.step for m in client.get_metric_history(run_id, "act_rms/layer_00")] == list(range(1, 9))
+    assert (tmp_path / "out" / "activations.png").stat().st_size > 10_000
     # The estimator's FLOPs per step sit next to torch's FLOP counter on the real model (issue 8).
     params = client.get_run(run_id).data.params
     estimated, measured = float(params["estimate.flops_per_step"]), float(params["measured.flops_per_step"])
