@@ -5,6 +5,12 @@ N requests, sent at a Poisson request rate or held at a fixed concurrency, strea
 and TTFT, TPOT (decode time per output token after the first), ITL (gap between streamed chunks)
 and end-to-end latency, each with mean, median and p99 in milliseconds.
 
+`--goodput ttft:MS tpot:MS e2el:MS` (any of the three) sets service-level objectives, as
+`vllm bench serve --goodput` does: a request is good when each named metric is at or under its
+objective, and `request_goodput` is good requests per second (vLLM's reading of DistServe's
+goodput, Zhong et al. 2024), reported with the share of requests that were good and the share
+meeting each objective.
+
 `--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
 a time and in static batches of `concurrency` (padded, each batch running until its longest
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
@@ -172,7 +178,67 @@ def run_engine_load(model_dir: str, reqs: list[BenchRequest], concurrency: int |
     return asyncio.run(main())
 
 
-def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
+SLO_METRICS = ("ttft", "tpot", "e2el")
+"""The metrics `--goodput` accepts (vLLM's names): time to first token, time per output token after
+the first, end-to-end latency."""
+
+
+def parse_goodput(slos: list[str] | dict[str, float] | None) -> dict[str, float]:
+    """`["ttft:500", "tpot:50"]` (or a dict) -> {"ttft": 500.0, "tpot": 50.0}, objectives in ms.
+    Raises ValueError naming the bad pair: an unknown metric, a repeated one, a value that is not
+    a positive finite number, or a pair not written KEY:MS."""
+    if not slos:
+        return {}
+    pairs = list(slos.items()) if isinstance(slos, dict) else []
+    if not isinstance(slos, dict):
+        for text in slos:
+            key, sep, raw = str(text).partition(":")
+            if not sep or not key.strip() or not raw.strip():
+                raise ValueError(f"--goodput {text!r}: expected KEY:MS pairs such as ttft:500 tpot:50 "
+                                 f"(KEY one of {', '.join(SLO_METRICS)}; MS milliseconds)")
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"--goodput {text!r}: {raw.strip()!r} is not a number of milliseconds") from None
+            pairs.append((key.strip(), value))
+    out: dict[str, float] = {}
+    for key, value in pairs:
+        if key not in SLO_METRICS:
+            raise ValueError(f"--goodput: unknown metric {key!r}; allowed: {', '.join(SLO_METRICS)}")
+        if key in out:
+            raise ValueError(f"--goodput: {key!r} is given twice")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--goodput {key}:{value}: an objective must be a positive number of milliseconds")
+        out[key] = float(value)
+    return out
+
+
+def _slo_values(t: RequestTiming) -> dict[str, float]:
+    # vLLM's benchmark counts a request of at most one output token as TPOT 0 for goodput
+    tpot = (t.e2e - t.ttft) / (t.output_tokens - 1) if t.output_tokens > 1 else 0.0
+    return {"ttft": t.ttft, "tpot": tpot, "e2el": t.e2e}
+
+
+def goodput(timings: list[RequestTiming], duration: float, slos: dict[str, float]) -> dict[str, Any]:
+    """A request is good when it completed and each metric named in `slos` (ms) is at or under its
+    objective; the comparison is in seconds against ms / 1000, as vLLM's benchmark makes it. Shares
+    are of every request sent, so a failed request counts as one that missed its objectives."""
+    ok = [_slo_values(t) for t in timings if t.ok]
+    met = {k: [v[k] <= ms / 1000 for v in ok] for k, ms in slos.items()}
+    good = sum(all(m[i] for m in met.values()) for i in range(len(ok)))
+    n = len(timings)
+    return {
+        "slo_ms": dict(slos),
+        "good_requests": good,
+        "request_goodput": good / duration if duration > 0 else 0.0,
+        "good_request_share": good / n if n else 0.0,
+        "slo_met_share": {k: sum(m) / n if n else 0.0 for k, m in met.items()},
+    }
+
+
+def summarize(timings: list[RequestTiming], duration: float,
+              slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """The figures `vllm bench serve` prints; with `slos` (from `parse_goodput`), goodput too."""
     ok = [t for t in timings if t.ok]
     out_tokens = sum(t.output_tokens for t in ok)
     tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
@@ -188,6 +254,7 @@ def summarize(timings: list[RequestTiming], duration: float) -> dict[str, Any]:
         "tpot_ms": _stats_ms(tpot),
         "itl_ms": _stats_ms([x for t in ok for x in t.itl]),
         "e2e_ms": _stats_ms([t.e2e for t in ok]),
+        **(goodput(timings, duration, slos) if slos else {}),
     }
 
 
@@ -350,10 +417,20 @@ def bench_serve_command(
     in_process: bool = True,
     rounds: int = 3,
     serve_speculative: str | None = None,
+    goodput: list[str] | dict[str, float] | None = None,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
-    on a tiny random checkpoint built on the spot) and print one JSON line per figure."""
+    on a tiny random checkpoint built on the spot) and print one JSON line per figure. `goodput`:
+    objectives in ms (`["ttft:500", "tpot:50"]`), see `parse_goodput`."""
+    if baseline not in (None, "hf"):
+        print(f"unknown baseline {baseline!r}; supported: hf", file=sys.stderr)
+        return 2
+    try:
+        slos = parse_goodput(goodput)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     import torch
     from transformers import AutoTokenizer
 
@@ -362,9 +439,6 @@ def bench_serve_command(
 
     if threads:
         torch.set_num_threads(threads)  # the engine and the baselines alike
-    if baseline not in (None, "hf"):
-        print(f"unknown baseline {baseline!r}; supported: hf", file=sys.stderr)
-        return 2
     if model_dir is None and base_url is None:
         # no checkpoint given: a tiny one trained briefly on code, kept under .eightfold/ for reruns
         root = Path(cache_dir or ".eightfold/bench") / f"tiny-serve-v2-{train_steps}"
@@ -410,9 +484,9 @@ def bench_serve_command(
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
             r: dict[str, Any] = {"serve": summarize(*asyncio.run(run_load(url, model, reqs, concurrency,
-                                                                           request_rate, seed)))}
+                                                                           request_rate, seed)), slos)}
             if model_dir is not None and in_process:
-                r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options))
+                r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options), slos)
             if baseline == "hf":
                 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
                 r["hf"] = hf_baselines(model_dir, reqs, concurrency or 32,
@@ -437,7 +511,8 @@ def bench_serve_command(
           "request_rate": request_rate, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
           "rounds": rounds, "engine_options": {k: v for k, v in engine_options.items() if v is not None},
           "server_start_s": server_start_s, **summary,
-          "rounds_output_tokens_per_s": [r["serve"]["output_tokens_per_s"] for r in rounds_out]})
+          "rounds_output_tokens_per_s": [r["serve"]["output_tokens_per_s"] for r in rounds_out],
+          **({"rounds_request_goodput": [r["serve"]["request_goodput"] for r in rounds_out]} if slos else {})})
     failed = sum(r["serve"]["failed"] for r in rounds_out)
     if failed:
         print(f"{failed} requests failed: {summary['errors']}", file=sys.stderr)

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--num-speculative-tokens", type=int, default=4)
     b.add_argument("--enforce-eager", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
                    help="the engines run eagerly (default: compiled, as `serve` runs them)")
+    b.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:500 tpot:50: also report "
+                        "request_goodput, the requests/s meeting all of them")
     ns = parser.parse_args(argv)
 
     if ns.cmd == "serve":
@@ -95,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
                              replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
                              canary_share=ns.canary_share, **_engine_options(ns))
-    from .bench import bench_serve_command
+    from .bench import bench_serve_command, parse_goodput
 
+    try:
+        parse_goodput(ns.goodput)
+    except ValueError as e:
+        b.error(str(e))  # usage and the message on stderr, exit code 2
     opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens),
                               ("stream_interval", ns.stream_interval), ("enforce_eager", ns.enforce_eager))
             if v is not None}
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
                                draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
-                               num_speculative_tokens=ns.num_speculative_tokens, **opts)
+                               num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput, **opts)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,87 @@ throughput). The checkpoint is copied from object storage into the pod by an ini
 
 The same clients (openai, lm-eval's local-completions, `eightfold bench serve --base-url`) work
 against it, since both servers speak the same API.
+
+Operating it (seed: SLOs on TTFT and TPOT percentiles, autoscale on queue depth and KV-cache use),
+all optional and off unless configured (`serve.autoscale`, `serve.slo_ttft_ms`, `serve.slo_tpot_ms`):
+
+- `autoscale`: an `autoscaling/v2` HorizontalPodAutoscaler on two per-pod custom metrics from
+  vLLM's Prometheus endpoint (`/metrics` on the serving port): `vllm:num_requests_waiting` (queue
+  depth) and `vllm:kv_cache_usage_perc` (KV-cache use, a fraction; vLLM's name since 2025, when it
+  replaced `vllm:gpu_cache_usage_perc`, vllm-project/vllm#18354, which current vLLM no longer
+  exports by default). The HPA keeps each average under its target and removes replicas slowly
+  (pods take minutes to load a model). The Deployment then leaves `replicas` to the HPA.
+  The HPA reads the custom metrics API, which prometheus-adapter serves from Prometheus:
+  `prometheus-adapter.yaml` holds the adapter rules (merge them into the adapter's config, e.g.
+  the Helm chart's `rules.custom`), which publish `vllm:<name>` as `vllm_<name>` per pod, and
+  `vllm.yaml` a PodMonitor (prometheus-operator) that has Prometheus scrape the pods with their
+  `namespace` and `pod` labels. Alternative without the adapter: KEDA, a ScaledObject on the
+  Deployment with two `prometheus` triggers, `sum(vllm:num_requests_waiting{model_name="NAME"})`
+  and `avg(vllm:kv_cache_usage_perc{model_name="NAME"})`, thresholds as here (KEDA makes the HPA).
+- `slo_ttft_ms` / `slo_tpot_ms`: a PrometheusRule alerting when p99 TTFT or TPOT over the last 5
+  minutes, `histogram_quantile(0.99, sum by (le) (rate(<histogram>_bucket[5m])))` across the
+  replicas, stays over its objective: histograms `vllm:time_to_first_token_seconds` and
+  `vllm:request_time_per_output_token_seconds` (TPOT per request, what `bench serve` calls TPOT;
+  `vllm:inter_token_latency_seconds` is the gap between streamed chunks, which vLLM called
+  `vllm:time_per_output_token_seconds` before 0.11). The quantile interpolates within vLLM's
+  buckets, so an objective on a bucket bound (e.g. 100, 250, 500 ms TTFT; 25, 50, 100 ms TPOT) is
+  checked exactly: the alert's condition holds iff over 1% of requests took longer.
+  `eightfold bench serve --goodput ttft:MS tpot:MS` measures the same objectives from the client.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+# vLLM's Prometheus names (current releases); see the module docstring for the renamed ones.
+QUEUE_METRIC = "vllm:num_requests_waiting"
+KV_CACHE_METRIC = "vllm:kv_cache_usage_perc"
+TTFT_HISTOGRAM = "vllm:time_to_first_token_seconds"
+TPOT_HISTOGRAM = "vllm:request_time_per_output_token_seconds"
+
+
+def custom_metric_name(prometheus_name: str) -> str:
+    """The custom-metrics API name prometheus-adapter publishes for a vLLM series (':' is not
+    allowed there): `vllm:num_requests_waiting` -> `vllm_num_requests_waiting`."""
+    return prometheus_name.replace(":", "_", 1)
+
+
+@dataclass
+class Autoscaling:
+    """The HPA's range and targets (per-pod averages it holds; see ServeConfig.autoscale)."""
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_waiting_requests: float = 5.0
+    """Average `vllm:num_requests_waiting` per pod: requests queued because the batch is full."""
+    target_kv_cache_usage: float = 0.8
+    """Average `vllm:kv_cache_usage_perc` per pod (1 = full: new requests wait or preempt others)."""
+    scale_down_stabilization_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"autoscaling min_replicas must be >= 1, got {self.min_replicas}")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling max_replicas ({self.max_replicas}) must be >= min_replicas "
+                             f"({self.min_replicas})")
+        if not (math.isfinite(self.target_waiting_requests) and self.target_waiting_requests >= 0.001):
+            raise ValueError(f"autoscaling target_waiting_requests must be > 0 (at least 0.001), "
+                             f"got {self.target_waiting_requests}")
+        if not 0.001 <= self.target_kv_cache_usage <= 1:
+            raise ValueError(f"autoscaling target_kv_cache_usage is a fraction in (0, 1], got {self.target_kv_cache_usage}")
+        if self.scale_down_stabilization_s < 0:
+            raise ValueError(f"autoscaling scale_down_stabilization_s must be >= 0, got {self.scale_down_stabilization_s}")
+
+
+def _quantity(x: float) -> str:
+    """A Kubernetes quantity for an HPA target: whole numbers plain, the rest in thousandths."""
+    return str(int(x)) if float(x).is_integer() else f"{round(x * 1000)}m"
 
 
 @dataclass
@@ -42,6 +114,14 @@ class VLLMDeployment:
     namespace: str | None = None
     port: int = 8000
     extra_args: list[str] = field(default_factory=list)
+    autoscaling: Autoscaling | None = None
+    """An HPA on queue depth and KV-cache use (plus the PodMonitor and adapter rules it needs)."""
+    slo_ttft_ms: float | None = None
+    """Alert when p`slo_quantile` TTFT stays over this (a PrometheusRule)."""
+    slo_tpot_ms: float | None = None
+    slo_quantile: float = 0.99
+    slo_alert_for: str = "10m"
+    """How long the objective must be missed before the alert fires."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -52,6 +132,14 @@ class VLLMDeployment:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        for key in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{key} must be a positive number of milliseconds, got {v!r}")
+        if not 0 < self.slo_quantile < 1:
+            raise ValueError(f"slo_quantile must be in (0, 1), e.g. 0.99; got {self.slo_quantile}")
+        if not re.fullmatch(r"\d+[smh]", self.slo_alert_for):
+            raise ValueError(f"slo_alert_for {self.slo_alert_for!r} must be a duration such as 5m, 300s, 1h")
 
 
 def _model_path(d: VLLMDeployment) -> str:
@@ -113,24 +201,157 @@ def render_manifests(d: VLLMDeployment) -> list[dict[str, Any]]:
         "spec": {"replicas": d.replicas, "selector": {"matchLabels": labels},
                  "template": {"metadata": {"labels": labels}, "spec": pod_spec}},
     }
+    if d.autoscaling:  # the HPA owns the count: a replicas field would reset it on every apply
+        del deployment["spec"]["replicas"]
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": dict(meta),
         "spec": {"selector": labels, "ports": [{"name": "http", "port": d.port, "targetPort": "http"}]},
     }
-    return [deployment, service]
+    out = [deployment, service]
+    if d.autoscaling or d.slo_ttft_ms or d.slo_tpot_ms:
+        out.append(render_pod_monitor(d))
+    if d.autoscaling:
+        out.append(render_hpa(d))
+    if d.slo_ttft_ms or d.slo_tpot_ms:
+        out.append(render_slo_rules(d))
+    return out
+
+
+def _labels(d: VLLMDeployment) -> dict[str, str]:
+    return {"app.kubernetes.io/name": d.name, "app.kubernetes.io/component": "vllm-server"}
+
+
+def _meta(d: VLLMDeployment, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": _labels(d)}
+    if d.namespace:
+        meta["namespace"] = d.namespace
+    return meta
+
+
+def render_pod_monitor(d: VLLMDeployment) -> dict[str, Any]:
+    """Prometheus (prometheus-operator) scrapes each vLLM pod's /metrics; the series carry the
+    `namespace` and `pod` labels the adapter rules map to Kubernetes objects."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _meta(d, d.name),
+            "spec": {"selector": {"matchLabels": _labels(d)},
+                     "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def render_hpa(d: VLLMDeployment) -> dict[str, Any]:
+    """autoscaling/v2 on two per-pod averages: the HPA takes the larger replica count the two ask for."""
+    a = d.autoscaling
+    assert a is not None
+
+    def pods_metric(prometheus_name: str, target: float) -> dict[str, Any]:
+        return {"type": "Pods", "pods": {"metric": {"name": custom_metric_name(prometheus_name)},
+                                         "target": {"type": "AverageValue", "averageValue": _quantity(target)}}}
+
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(d, d.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": d.name},
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [pods_metric(QUEUE_METRIC, a.target_waiting_requests),
+                        pods_metric(KV_CACHE_METRIC, a.target_kv_cache_usage)],
+            # scale up at the HPA's default pace; down one pod a minute once load has stayed low
+            # for the window, since each replica removed drops its KV cache and takes minutes to return
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_s,
+                                       "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}},
+        },
+    }
+
+
+def render_adapter_rules(d: VLLMDeployment) -> dict[str, Any]:
+    """prometheus-adapter discovery rules for the HPA's two metrics, as a ConfigMap whose
+    `config.yaml` is the adapter's config format: per pod, the queue summed and the KV-cache use
+    of the fullest engine (a pod runs one engine unless vLLM's data parallelism is on)."""
+    rules = [{"seriesQuery": f'{metric}{{namespace!="",pod!=""}}',
+              "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+              "name": {"matches": f"^{metric}$", "as": custom_metric_name(metric)},
+              "metricsQuery": f"{agg}(<<.Series>>{{<<.LabelMatchers>>}}) by (<<.GroupBy>>)"}
+             for metric, agg in ((QUEUE_METRIC, "sum"), (KV_CACHE_METRIC, "max"))]
+    meta = _meta(d, f"{d.name}-prometheus-adapter-rules")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {"config.yaml": yaml.safe_dump({"rules": rules}, sort_keys=False)}}
+
+
+def slo_expr(d: VLLMDeployment, histogram: str, slo_ms: float) -> str:
+    """p`slo_quantile` across the replicas over 5 minutes, over the objective (seconds)."""
+    sel = f'model_name="{d.served_model_name or d.name}"'
+    if d.namespace:
+        sel += f',namespace="{d.namespace}"'
+    return (f"histogram_quantile({d.slo_quantile:g}, sum by (le) (rate({histogram}_bucket{{{sel}}}[5m])))"
+            f" > {slo_ms / 1000:g}")
+
+
+def render_slo_rules(d: VLLMDeployment) -> dict[str, Any]:
+    pct = f"p{d.slo_quantile * 100:g}"
+    rules = []
+    for what, histogram, slo in (("TimeToFirstToken", TTFT_HISTOGRAM, d.slo_ttft_ms),
+                                 ("TimePerOutputToken", TPOT_HISTOGRAM, d.slo_tpot_ms)):
+        if slo:
+            rules.append({
+                "alert": f"VLLM{what}{pct.upper().replace('.', '_')}OverSLO",
+                "expr": slo_expr(d, histogram, slo),
+                "for": d.slo_alert_for,
+                "labels": {"severity": "warning", "service": d.name},
+                "annotations": {
+                    "summary": f"{d.name}: {pct} {what} over its {slo:g} ms objective",
+                    "description": f"{pct} of {histogram} over 5m is {{{{ $value | humanizeDuration }}}}, "
+                                   f"objective {slo:g} ms (for {d.slo_alert_for}).",
+                },
+            })
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": _meta(d, f"{d.name}-slo"),
+            "spec": {"groups": [{"name": f"{d.name}-slo", "rules": rules}]}}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the adapter's config.yaml) as `|` blocks; long PromQL on one line."""
+
+
+_Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
 
 
 def render_yaml(d: VLLMDeployment) -> str:
-    return yaml.safe_dump_all(render_manifests(d), sort_keys=False)
+    return yaml.dump_all(render_manifests(d), Dumper=_Dumper, sort_keys=False, width=4096)
+
+
+ADAPTER_HEADER = """\
+# prometheus-adapter rules that publish vLLM's queue depth and KV-cache use per pod to the custom
+# metrics API, for the HorizontalPodAutoscaler in vllm.yaml. Merge the rules under config.yaml
+# into your adapter's config (Helm chart prometheus-community/prometheus-adapter: values
+# `rules.custom`) rather than applying this ConfigMap as is. Check with:
+#   kubectl get --raw /apis/custom.metrics.k8s.io/v1beta1/namespaces/NS/pods/*/vllm_num_requests_waiting
+"""
+
+
+def write_manifests(d: VLLMDeployment, out_dir) -> dict[str, Path]:
+    """`vllm.yaml` (apply as is) and, with autoscaling, `prometheus-adapter.yaml` (to merge)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"vllm.yaml": out_dir / "vllm.yaml"}
+    files["vllm.yaml"].write_text(render_yaml(d))
+    if d.autoscaling:
+        files["prometheus-adapter.yaml"] = out_dir / "prometheus-adapter.yaml"
+        files["prometheus-adapter.yaml"].write_text(
+            ADAPTER_HEADER + yaml.dump(render_adapter_rules(d), Dumper=_Dumper, sort_keys=False, width=4096))
+    return files
 
 
 def from_lifecycle_config(cfg, model_uri: str, **overrides) -> VLLMDeployment:
     """Tensor parallel size from the config's `parallel.tp` (the layout the model was trained with
-    fits its heads: n_heads and n_kv_heads divide by it, as vLLM requires)."""
+    fits its heads: n_heads and n_kv_heads divide by it, as vLLM requires); autoscaling and the
+    SLO alerts from `serve.autoscale`, `serve.slo_ttft_ms`, `serve.slo_tpot_ms`."""
     name = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-") or "eightfold"
+    sc = cfg.serve
     kw = {"name": name, "model_uri": model_uri, "tensor_parallel_size": cfg.parallel.tp,
-          "max_model_len": cfg.model.max_seq_len, "s3_endpoint_url": cfg.infra.s3_endpoint_url}
+          "max_model_len": cfg.model.max_seq_len, "s3_endpoint_url": cfg.infra.s3_endpoint_url,
+          "autoscaling": Autoscaling(**sc.autoscale.model_dump()) if sc.autoscale else None,
+          "slo_ttft_ms": sc.slo_ttft_ms, "slo_tpot_ms": sc.slo_tpot_ms}
     kw.update(overrides)
     return VLLMDeployment(**kw)

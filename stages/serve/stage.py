@@ -1,8 +1,10 @@
 """The serve stage of the lifecycle: check that the exported checkpoint serves (load it in the
 engine, generate, compare the engine's greedy tokens with transformers' on the same prompt) and
 write what it takes to run it: `vllm.yaml` (the Kubernetes Deployment for GPU clusters, from
-k8s.py) and `serve.json` (the local command, KV-cache capacity, the smoke result), after a short load
-test through the real server (`serve:` in config) whose latencies land in MLflow and the report.
+k8s.py; with `serve.autoscale` an HPA on queue depth and KV-cache use, plus `prometheus-adapter.yaml`;
+with `serve.slo_ttft_ms`/`slo_tpot_ms` p99 alerts) and `serve.json` (the local command, KV-cache
+capacity, the smoke result), after a short load test through the real server (`serve:` in config)
+whose latencies, and goodput against those objectives, land in MLflow and the report.
 
 `eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`."""
 
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .k8s import from_lifecycle_config, render_yaml
+from .k8s import from_lifecycle_config, write_manifests
 
 SMOKE_PROMPT = "def fibonacci(n):\n"
 
@@ -83,7 +85,9 @@ def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
             proc.wait(15)
         except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
             proc.kill()
-    figures = summarize(timings, duration)
+    # the objectives the PrometheusRule alerts on, measured here as goodput (bench serve --goodput)
+    slos = {k: v for k, v in (("ttft", sc.slo_ttft_ms), ("tpot", sc.slo_tpot_ms)) if v}
+    figures = summarize(timings, duration, slos)
     if figures["failed"]:
         raise RuntimeError(f"serve load test: {figures['failed']} of {len(reqs)} requests failed: {figures['errors']}")
     return {"requests": len(reqs), "concurrency": sc.load_concurrency, "input_len": input_len,
@@ -101,14 +105,14 @@ def run(ctx) -> dict[str, Any]:
         raise RuntimeError(f"the engine and transformers disagree on {model_dir}: {smoke}")
     uri = ctx.input_uris.get("export", str(export)).rstrip("/")
     model_uri = uri + "/hf" if model_dir.name == "hf" else uri
-    manifest = render_yaml(from_lifecycle_config(ctx.cfg, model_uri))
     out = Path(ctx.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vllm.yaml").write_text(manifest)
+    # vllm.yaml; with serve.autoscale also prometheus-adapter.yaml (the HPA's metrics, see k8s.py)
+    manifests = write_manifests(from_lifecycle_config(ctx.cfg, model_uri), out)
     sc = ctx.cfg.serve
     load = load_test(model_dir, sc, ctx.cfg.seed) if sc.load_requests else None
     card = {"model_dir": str(model_dir), "model_uri": model_uri, "smoke": smoke, "load": load,
-            "serve_locally": f"eightfold serve {model_dir}", "kubernetes": "kubectl apply -f vllm.yaml"}
+            "serve_locally": f"eightfold serve {model_dir}", "kubernetes": "kubectl apply -f vllm.yaml",
+            "manifests": sorted(manifests)}
     (out / "serve.json").write_text(json.dumps(card, indent=2))
     figures: dict[str, Any] = {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],
                                "manifest": str(out / "vllm.yaml")}
@@ -116,6 +120,8 @@ def run(ctx) -> dict[str, Any]:
         figures.update({"output_tokens_per_s": round(load["output_tokens_per_s"], 2),
                         **{f"{k}_median": round(load[k]["median"], 3) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
                         **{f"{k}_p99": round(load[k]["p99"], 3) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}})
+        if "request_goodput" in load:
+            figures.update({k: round(float(load[k]), 4) for k in ("request_goodput", "good_request_share")})
     ctx.log_metrics({"serve/kv_blocks": float(smoke["kv_blocks"]),
                      **{f"serve/{k}": float(v) for k, v in figures.items() if isinstance(v, float)}}, None)
     return figures

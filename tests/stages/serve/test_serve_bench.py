@@ -17,7 +17,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     rc = bench_serve_command(str(tiny_hf_model_dir), num_prompts=6, concurrency=3, input_len=16, output_len=8,
                              baseline="hf", baseline_sequential_requests=2, speculative=True,
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
-                             rounds=1, server="process", out=str(out), num_kv_blocks=64,
+                             rounds=1, server="process", out=str(out), num_kv_blocks=64, goodput=["ttft:600000"],
                              enforce_eager=True)  # compiling would cost the suite ~10-40 s
     assert rc == 0
     lines = {d["figure"]: d for d in map(json.loads, out.read_text().splitlines())}
@@ -33,6 +33,10 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(serve[key]) == {"mean", "median", "p99"} and serve[key]["p99"] >= serve[key]["median"] > 0
     assert serve["output_tokens_per_s"] > 0
+    # a 10-minute TTFT objective: every request is good, so goodput is the request throughput
+    assert serve["slo_ms"] == {"ttft": 600000.0} and serve["good_request_share"] == 1.0
+    assert serve["request_goodput"] == pytest.approx(serve["request_throughput"])
+    assert serve["rounds_request_goodput"] == [serve["request_goodput"]]
     for b in ("baseline_hf_sequential", "baseline_hf_static"):
         assert lines[b]["baseline_output_tokens_per_s"] > 0
         assert lines[b]["ratio"] == pytest.approx(serve["output_tokens_per_s"] / lines[b]["baseline_output_tokens_per_s"])
@@ -52,7 +56,8 @@ def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_di
     (export / "hf").mkdir(parents=True)
     for f in tiny_hf_model_dir.iterdir():
         (export / "hf" / f.name).write_bytes(f.read_bytes())
-    load = ["serve.load_requests=8", "serve.load_concurrency=4", "serve.load_input_len=16", "serve.load_output_len=8"]
+    load = ["serve.load_requests=8", "serve.load_concurrency=4", "serve.load_input_len=16", "serve.load_output_len=8",
+            "serve.slo_ttft_ms=600000", "serve.slo_tpot_ms=0.001", "serve.autoscale.max_replicas=3"]
     ctx = SimpleNamespace(cfg=load_config("configs/tiny.yaml", load), inputs={"export": export},
                           input_uris={"export": "s3://bucket/exp/export/fp"}, out_dir=tmp_path / "out",
                           log_metrics=lambda *a, **k: None)
@@ -65,3 +70,60 @@ def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_di
     assert 0 < figures["ttft_ms_median"] <= figures["e2e_ms_median"] and figures["output_tokens_per_s"] > 0
     dep = next(yaml.safe_load_all((tmp_path / "out" / "vllm.yaml").read_text()))
     assert dep["kind"] == "Deployment"
+    # the configured objectives: every request meets a 10-minute TTFT, none a 1-microsecond TPOT
+    assert card["load"]["slo_met_share"] == {"ttft": 1.0, "tpot": 0.0} and figures["request_goodput"] == 0.0
+    assert card["manifests"] == ["prometheus-adapter.yaml", "vllm.yaml"]  # serve.autoscale is set
+
+
+def _timing(ttft: float, e2e: float, tokens: int, ok: bool = True):
+    from stages.serve.bench import RequestTiming
+
+    return RequestTiming(ok=ok, ttft=ttft, e2e=e2e, output_tokens=tokens if ok else 0, error="" if ok else "boom")
+
+
+def test_goodput_counts_requests_meeting_every_slo_at_or_under_it():
+    import math
+
+    from stages.serve.bench import summarize
+
+    over = math.nextafter(0.25, 1.0)  # the smallest time above 250 ms
+    timings = [
+        _timing(0.25, 1.25, 5),     # TTFT exactly 250 ms, TPOT (1.25-0.25)/4 exactly 250 ms: good
+        _timing(over, 1.25, 5),     # TTFT one ulp over its objective: not good
+        _timing(0.125, 1.25, 3),    # TPOT (1.25-0.125)/2 = 562.5 ms: misses TPOT only
+        _timing(0.125, 0.125, 1),   # one token: TPOT counts as 0 (vLLM's rule): good
+        _timing(0.0, 0.0, 0, ok=False),  # failed: never good, still counted in the shares
+    ]
+    s = summarize(timings, duration=2.0, slos={"ttft": 250, "tpot": 250})
+    assert s["slo_ms"] == {"ttft": 250.0, "tpot": 250.0}
+    assert s["good_requests"] == 2
+    assert s["request_goodput"] == 2 / 2.0 and s["request_throughput"] == 4 / 2.0
+    assert s["good_request_share"] == 2 / 5
+    assert s["slo_met_share"] == {"ttft": 3 / 5, "tpot": 3 / 5}
+    # e2el alone: each request's end-to-end time against 1250 ms (exactly at it counts)
+    e = summarize(timings, 2.0, {"e2el": 1250})
+    assert e["good_requests"] == 4 and e["slo_met_share"] == {"e2el": 4 / 5}
+    # without objectives the summary has no goodput keys (the figure line stays as it was)
+    assert "request_goodput" not in summarize(timings, 2.0)
+
+
+@pytest.mark.parametrize("pairs, message", [
+    (["ttfx:100"], "unknown metric 'ttfx'"),
+    (["ttft:0"], "positive number of milliseconds"),
+    (["tpot:-5"], "positive number of milliseconds"),
+    (["e2el:inf"], "positive number of milliseconds"),
+    (["ttft:fast"], "'fast' is not a number"),
+    (["ttft=100"], "expected KEY:MS"),
+    (["ttft:100", "ttft:200"], "'ttft' is given twice"),
+])
+def test_goodput_flag_rejects_bad_objectives_with_exit_code_2(pairs, message, capsys):
+    from stages.serve.bench import bench_serve_command, parse_goodput
+    from stages.serve.cli import main
+
+    with pytest.raises(ValueError, match=message):
+        parse_goodput(pairs)
+    with pytest.raises(SystemExit) as exc:  # rejected while parsing: nothing is built or started
+        main(["bench", "--goodput", *pairs])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert bench_serve_command(goodput=pairs) == 2 and message in capsys.readouterr().err
+    assert parse_goodput(["ttft:500", "tpot:50.5", "e2el:2000"]) == {"ttft": 500.0, "tpot": 50.5, "e2el": 2000.0}
