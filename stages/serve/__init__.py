@@ -7,7 +7,9 @@ forward: quant_linear.py, gguf_loader.py), contiguous K/V rows that decoding req
 logprobs (sampling.py), speculative decoding with exact rejection sampling (speculative.py), the
 engine and its in-process API for evaluation and RL rollouts (engine.py), its asyncio driver
 (async_engine.py), an OpenAI-compatible HTTP server (server.py), a router over replicas with
-prefix affinity and a canary share (router.py), Prometheus metrics (metrics.py), the load
-benchmark (bench.py), the vLLM Kubernetes manifest for cluster scale (k8s.py), the lifecycle's
+prefix affinity and a canary share (router.py), prefill/decode disaggregation: K/V shipped as bytes
+from prefill engines into decode engines' prefix caches (kv_transfer.py) behind one replica
+(disagg.py), Prometheus metrics (metrics.py), the load benchmark with SLO goodput (bench.py), the
+vLLM Kubernetes manifests for cluster scale, with an autoscaler and SLO alerts (k8s.py), the lifecycle's
 serve stage (stage.py), a plain command line (cli.py) and the tiny checkpoint tests and the
 benchmark build (testing.py)."""

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine, PrefilledRequest, RequestOutput
 from .sampling import SamplingParams
 
 
@@ -59,8 +59,11 @@ class AsyncEngine:
             self._task = loop.create_task(self._run(), name=f"engine-{self.model_name}")
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield outputs as they come; leaving early (a client disconnect) aborts the request."""
+                       request_id: str | None = None, *, hold_kv: bool = False,
+                       prefilled: PrefilledRequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield outputs as they come; leaving early (a client disconnect) aborts the request.
+        `hold_kv` and `prefilled`: the prefill and the decode side of a disaggregated request
+        (`LLMEngine.add_request`, `LLMEngine.add_prefilled_request`; disagg.py)."""
         ids = list(prompt_ids)
         self.engine.check_request(ids, params)  # ValueError -> 400 before anything is queued
         cfg = self.engine.config
@@ -69,8 +72,14 @@ class AsyncEngine:
             raise Overloaded(f"server overloaded: {len(self._queues)} requests in flight")
         rid = request_id or f"{self.model_name}-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
-        self.engine.add_request(ids, params, request_id=rid)
-        self._queues[rid] = q
+        if prefilled is not None:
+            first = self.engine.add_prefilled_request(ids, params, rid, prefilled)
+            q.put_nowait(first)
+            if not first.finished:
+                self._queues[rid] = q
+        else:
+            self.engine.add_request(ids, params, request_id=rid, hold_kv=hold_kv)
+            self._queues[rid] = q
         self._ensure_running()
         self._wake.set()
         finished = False

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--replicas", type=int, default=1)
     s.add_argument("--canary-model-dir", default=None)
     s.add_argument("--canary-share", type=float, default=0.0)
+    s.add_argument("--prefill-replicas", type=int, default=0,
+                   help="prefill/decode disaggregation: this many prefill engines ship K/V to the --replicas "
+                        "decode engines (disagg.py); 0: every engine does both")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     _add_engine_options(s)
 
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             ns.enforce_eager = False
         return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
                              replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
-                             canary_share=ns.canary_share, **_engine_options(ns))
+                             canary_share=ns.canary_share, prefill_replicas=ns.prefill_replicas,
+                             **_engine_options(ns))
     from .bench import bench_serve_command, parse_goodput
 
     try:

@@ -20,7 +20,7 @@ import torch
 
 from .decode_slots import DecodeSlots
 from .gguf_loader import find_gguf
-from .kv_cache import KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, num_blocks_for_budget, prefix_block_hashes
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
 from .request import Request
@@ -133,6 +133,27 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class HeldKV:
+    """A finished request whose prompt blocks are kept referenced until they are exported
+    (prefill/decode disaggregation, kv_transfer.py): vLLM's connector delays the free the same way."""
+
+    request: Request
+    blocks: list[Block]  # the leading full prompt blocks, one reference each taken for the export
+    block_hashes: list[bytes]
+
+
+@dataclass
+class PrefilledRequest:
+    """A request prefilled by another engine: its first output token(s), their logprobs and the
+    state of its seeded generator after sampling them, so it continues here as it would have there."""
+
+    output_token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    generator_state: torch.Tensor | None = None
+    arrival_time: float | None = None  # when the request reached the service (time.monotonic), for its e2e latency
+
+
 class _Detok:
     """Incremental text of one request (vLLM's prefix/read offsets): each step decodes only a few
     tokens before the new ones, so the cost does not grow with the output. A tail that could still
@@ -227,6 +248,10 @@ class LLMEngine:
         self._last_prefix = (0, 0)
         self.num_steps = 0
         self._emitted: dict[str, int] = {}  # output tokens handed out so far, per request
+        self._kv_hold: set[str] = set()  # requests whose prompt blocks are kept when they finish
+        self.held_kv: dict[str, HeldKV] = {}
+        self.weights_version = 0  # bumped by update_weights: K/V exported before it are stale
+        self._checkpoint_fingerprint: str | None = None
 
     # -- requests --------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
@@ -257,7 +282,9 @@ class LLMEngine:
             )
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, hold_kv: bool = False) -> str:
+        """Queue a request. `hold_kv`: when it finishes, keep its full prompt blocks referenced
+        (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.check_request(ids, params)
@@ -266,12 +293,53 @@ class LLMEngine:
                       generator=make_generator(params, self.model.device))
         self.scheduler.add_request(req)
         self._detok[rid] = _Detok(params.stop, self._decode)
+        if hold_kv:
+            self._kv_hold.add(rid)
         self.metrics.prompt_tokens.inc(len(ids), model=self.model_name)
         return rid
+
+    def add_prefilled_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+                              prefilled: PrefilledRequest) -> RequestOutput:
+        """Continue a request whose prompt another engine prefilled (its K/V imported into this
+        engine's prefix cache beforehand, kv_transfer.py) and whose first token(s) it sampled.
+        Returns the output handing those tokens out; the request then decodes here like any other
+        (its prompt's full blocks are prefix-cache hits, so only the tail is computed again)."""
+        ids = self.encode(prompt_ids)
+        self.check_request(ids, params)
+        if not prefilled.output_token_ids:
+            raise ValueError("a prefilled request needs the token(s) sampled by the prefill engine")
+        req = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+                      generator=make_generator(params, self.model.device))
+        if prefilled.arrival_time is not None:
+            req.arrival_time = prefilled.arrival_time
+        if req.generator is not None and prefilled.generator_state is not None:
+            req.generator.set_state(prefilled.generator_state)
+        done = False
+        for tok in prefilled.output_token_ids:
+            done = req.append_token(int(tok))
+            if done:
+                break
+        req.logprobs.extend(prefilled.logprobs[:req.num_output_tokens])
+        self.scheduler.add_request(req)
+        self._detok[request_id] = _Detok(params.stop, self._decode)
+        self.metrics.prompt_tokens.inc(len(ids), model=self.model_name)
+        # handed out here, as the engine's first output: no TTFT is recorded for it (the prefill
+        # engine's output was the first token), later tokens count as inter-token latency
+        req.last_emit_time = time.monotonic()
+        if done:
+            self.scheduler.finish_request(request_id, req.finish_reason or "stop")
+        else:
+            self._emitted[request_id] = req.num_output_tokens
+        out = self._output(req, req.num_output_tokens)
+        if out.finished:  # also a stop string in the handed-over text
+            self._emitted.pop(request_id, None)
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
         self._emitted.pop(request_id, None)
+        self._kv_hold.discard(request_id)
+        self.release_held_kv(request_id)
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
             self.metrics.requests.inc(model=self.model_name, finish_reason="abort")
@@ -289,7 +357,10 @@ class LLMEngine:
         if sched.preempted:
             self.metrics.preemptions.inc(len(sched.preempted), model=self.model_name)
         results = self.runner.execute(sched)
-        self.scheduler.update_from_output(sched, results)
+        finished_reqs = self.scheduler.update_from_output(sched, results)
+        if self._kv_hold:
+            for req in finished_reqs:
+                self._hold_kv(req)
         self.num_steps += 1
         outputs = []
         now = time.monotonic()
@@ -362,6 +433,8 @@ class LLMEngine:
                     if not req.is_finished:
                         self.scheduler.finish_request(req.request_id, "stop")
                         req.finish_reason = "stop"
+                        if self._kv_hold:
+                            self._hold_kv(req)
         finished = req.is_finished
         upto = len(d.text) if finished else max(d.sent, len(d.text) - d.hold)
         if not finished and d.text[:upto].endswith("\ufffd"):
@@ -429,12 +502,48 @@ class LLMEngine:
             result.append((total, greedy))
         return result
 
+    # -- K/V kept for export (prefill/decode disaggregation) -------------------------------------
+    def _hold_kv(self, req: Request) -> None:
+        """Right after `req` finished (its blocks just went to the free queue, their hashes intact,
+        nothing allocated since): take a reference to its leading full prompt blocks."""
+        rid = req.request_id
+        if rid not in self._kv_hold:
+            return
+        self._kv_hold.discard(rid)
+        bs = self.kv.block_size
+        n_full = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
+        hashes = prefix_block_hashes(req.prompt_token_ids, bs, n_full)
+        blocks = []
+        for h in hashes:
+            b = self.kv.pool.lookup(h)
+            if b is None:  # prefix caching off, or the block was never cached
+                break
+            blocks.append(b)
+        self.kv.pool.touch(blocks)
+        self.held_kv[rid] = HeldKV(req, blocks, hashes[:len(blocks)])
+
+    def weights_fingerprint(self) -> str:
+        """Identity of the weights the cached K/V were computed with (checked on K/V import)."""
+        if self._checkpoint_fingerprint is None:
+            from .kv_transfer import checkpoint_fingerprint
+
+            self._checkpoint_fingerprint = checkpoint_fingerprint(self.model_dir)
+        return f"{self._checkpoint_fingerprint}+v{self.weights_version}"
+
+    def release_held_kv(self, request_id: str) -> None:
+        held = self.held_kv.pop(request_id, None)
+        if held is not None:
+            self.kv.pool.free(list(reversed(held.blocks)))  # tail blocks evicted first, as in KVCacheManager.free
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new weights (Hugging Face names) between generations (GRPO) and drop the prefix
         cache, whose K/V were computed by the old weights."""
         if self.has_unfinished():
             raise RuntimeError("update_weights() needs an idle engine (requests are in flight)")
         self.model.load_weights(state_dict)
+        self.weights_version += 1
+        for rid in list(self.held_kv):  # computed by the old weights: nothing to export any more
+            self.release_held_kv(rid)
         self.kv.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:

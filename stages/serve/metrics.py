@@ -120,6 +120,10 @@ class ServeMetrics:
         self.running = Gauge(f"{p}_num_requests_running", "Requests in the running batch")
         self.waiting = Gauge(f"{p}_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = Gauge(f"{p}_kv_cache_usage_perc", "Fraction of KV blocks in use")
+        # prefill/decode disaggregation (disagg.py): the K/V shipped from prefill to decode engines
+        self.kv_transfer_bytes = Counter(f"{p}_kv_transfer_bytes_total", "Bytes of K/V payloads shipped prefill -> decode")
+        self.kv_transfer_time = Histogram(f"{p}_kv_transfer_seconds",
+                                          "Time to export, serialise, deserialise and import one request's K/V")
 
     def render(self) -> str:
         lines: list[str] = []

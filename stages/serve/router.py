@@ -6,6 +6,8 @@ hashing on the chained block hash), so that replica's prefix cache serves them; 
 replica carries clearly more load than the least-loaded one, the request goes there instead.
 Canary: a configured share of requests (or any request naming the canary model) goes to the canary
 engine; every metric carries the model name, so the canary is compared with the primary on /metrics.
+A replica is anything with AsyncEngine's `generate`, `load`, `model_name` and `engine`: a
+`DisaggregatedEngine` (disagg.py, prefill and decode pools shipping K/V between them) is one too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .async_engine import AsyncEngine
+from .disagg import DisaggregatedEngine
 from .kv_cache import prefix_block_hashes
+
+Replica = AsyncEngine | DisaggregatedEngine
 
 
 @dataclass
@@ -35,7 +40,7 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, replicas: Sequence[AsyncEngine], canary: AsyncEngine | None = None,
+    def __init__(self, replicas: Sequence[Replica], canary: Replica | None = None,
                  config: RouterConfig | None = None):
         if not replicas:
             raise ValueError("a router needs at least one replica")
@@ -48,11 +53,11 @@ class Router:
         self.routed: dict[str, int] = {}
 
     @property
-    def primary(self) -> AsyncEngine:
+    def primary(self) -> Replica:
         return self.replicas[0]
 
     @property
-    def engines(self) -> list[AsyncEngine]:
+    def engines(self) -> list[Replica]:
         return self.replicas + ([self.canary] if self.canary else [])
 
     def model_names(self) -> list[str]:
@@ -68,7 +73,7 @@ class Router:
             raise LookupError(f"model {requested!r} is not served here; available: {self.model_names()}")
         return requested or None
 
-    def choose(self, prompt_ids: Sequence[int], model: str | None = None) -> AsyncEngine:
+    def choose(self, prompt_ids: Sequence[int], model: str | None = None) -> Replica:
         if self.canary is not None and (model == self.canary.model_name and model != self.primary.model_name
                                         or (not model and self._rng.random() < self.config.canary_share)):
             chosen = self.canary
@@ -78,7 +83,7 @@ class Router:
         self.routed[key] = self.routed.get(key, 0) + 1
         return chosen
 
-    def _affine(self, prompt_ids: Sequence[int]) -> AsyncEngine:
+    def _affine(self, prompt_ids: Sequence[int]) -> Replica:
         if len(self.replicas) == 1:
             return self.replicas[0]
         bs = self.primary.engine.config.block_size

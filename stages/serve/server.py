@@ -354,8 +354,10 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
 
 
 def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | None = None,
-                 canary_share: float = 0.0, **engine_options) -> Router:
-    """Engines for a checkpoint folder (several replicas share one metrics registry) and an optional canary."""
+                 canary_share: float = 0.0, prefill_replicas: int = 0, **engine_options) -> Router:
+    """Engines for a checkpoint folder (several replicas share one metrics registry) and an optional canary.
+    `prefill_replicas` > 0: prefill/decode disaggregation, the `replicas` engines decode and that many
+    more prefill, all behind one DisaggregatedEngine (disagg.py)."""
     from .engine import EngineConfig, LLMEngine
     from .metrics import ServeMetrics
     from .router import RouterConfig
@@ -366,17 +368,26 @@ def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | N
     cfg = EngineConfig.from_options(**engine_options)
     first = LLMEngine(model_dir, cfg, metrics=metrics)
     engines = [first] + [LLMEngine(model_dir, cfg, tokenizer=first.tokenizer, metrics=metrics) for _ in range(replicas - 1)]
+    if prefill_replicas < 0:
+        raise ValueError(f"prefill_replicas must be >= 0, got {prefill_replicas}")
+    fronts: list = [AsyncEngine(e) for e in engines]
+    if prefill_replicas:
+        from .disagg import DisaggregatedEngine, prefill_engine_config
+
+        pcfg = prefill_engine_config(cfg, first.model_name)
+        prefill = [LLMEngine(model_dir, pcfg, tokenizer=first.tokenizer, metrics=metrics) for _ in range(prefill_replicas)]
+        fronts = [DisaggregatedEngine([AsyncEngine(e) for e in prefill], fronts)]
     canary = None
     if canary_model_dir:
         ccfg = EngineConfig.from_options(**{**engine_options, "served_model_name": Path(canary_model_dir).name
                                             if Path(canary_model_dir).name != first.model_name else first.model_name + "-canary"})
         canary = AsyncEngine(LLMEngine(canary_model_dir, ccfg, metrics=metrics))
-    return Router([AsyncEngine(e) for e in engines], canary, RouterConfig(canary_share=canary_share))
+    return Router(fronts, canary, RouterConfig(canary_share=canary_share))
 
 
 def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                   request_log: str | None = None, replicas: int = 1, canary_model_dir: str | None = None,
-                  canary_share: float = 0.0, **engine_options) -> int:
+                  canary_share: float = 0.0, prefill_replicas: int = 0, **engine_options) -> int:
     """`eightfold serve MODEL_DIR`: an OpenAI-compatible server until interrupted. Returns an exit code."""
     import uvicorn
     from rich.console import Console
@@ -387,7 +398,7 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
         return 2
     try:
         router = build_router(model_dir, replicas=replicas, canary_model_dir=canary_model_dir,
-                              canary_share=canary_share, **engine_options)
+                              canary_share=canary_share, prefill_replicas=prefill_replicas, **engine_options)
     except (ValueError, FileNotFoundError, KeyError) as e:
         console.print(f"[red]cannot start the engine: {e}[/red]")
         return 2
@@ -397,6 +408,8 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
                   f"- {e.kv.pool.num_blocks} KV blocks of {e.config.block_size} tokens, "
                   f"{e.kv_bytes_per_token} bytes/token; "
                   + (f"forward compiled in {e.compile_seconds:.1f} s; " if e.model.pieces.compiled else "eager; ")
+                  + (f"{prefill_replicas} prefill engine(s) shipping K/V to {replicas} decode engine(s); "
+                     if prefill_replicas else "")
                   + "metrics at /metrics")
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

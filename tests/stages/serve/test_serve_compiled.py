@@ -85,7 +85,8 @@ def test_serve_compiles_by_default_and_enforce_eager_turns_it_off(monkeypatch):
     for argv, want in cases:
         assert main(argv) == 0
         assert seen[-1]["enforce_eager"] is want, argv
-    assert seen[-1]["max_num_seqs"] == 8
+    assert seen[-1]["max_num_seqs"] == 8 and seen[-1]["prefill_replicas"] == 0
+    assert main(["serve", "m", "--prefill-replicas", "2"]) == 0 and seen[-1]["prefill_replicas"] == 2
     with pytest.raises(SystemExit):  # not a boolean
         main(["serve", "m", "--enforce-eager", "maybe"])
     assert EngineConfig().enforce_eager is True  # engines built in-process (evaluate, GRPO) stay eager
