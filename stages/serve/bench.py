@@ -405,7 +405,7 @@ def bench_serve_command(
     baseline_sequential_requests: int = 8,
     speculative: bool = False,
     draft_model_dir: str | None = None,
-    num_speculative_tokens: int = 4,
+    num_speculative_tokens: int = 5,
     spec_prompts: int = 4,
     spec_output_len: int = 128,
     threads: int | None = 1,

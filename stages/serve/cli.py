@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--stream-interval", type=int, default=None, help="engine option: hand tokens out N at a time")
     b.add_argument("--serve-speculative", choices=["ngram"], default=None,
                    help="the served load speculates too (greedy output unchanged)")
-    b.add_argument("--num-speculative-tokens", type=int, default=4)
+    b.add_argument("--num-speculative-tokens", type=int, default=5)
     b.add_argument("--enforce-eager", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
                    help="the engines run eagerly (default: compiled, as `serve` runs them)")
     b.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",

@@ -62,8 +62,8 @@ class EngineConfig:
     """None, "ngram" (prompt lookup) or "draft" (needs draft_model_dir)."""
     draft_model_dir: str | None = None
     """Hugging Face folder of the draft model (same tokenizer)."""
-    num_speculative_tokens: int = 4
-    """k: draft tokens proposed per step."""
+    num_speculative_tokens: int = 5
+    """k: draft tokens proposed per step (5, as vLLM's documented examples, with ngram_max 4)."""
     ngram_max: int = 4
     """Longest suffix matched by prompt lookup."""
     ngram_min: int = 1
