@@ -50,9 +50,11 @@ def fingerprint(stage: str, section: Any, inputs: dict[str, str] | None = None) 
 
 
 def code_version() -> str:
+    """The commit the code comes from, `-dirty` when the working tree has changes (recorded in every
+    manifest; a cache hit built by other code says so: tasks/stage.py); "unknown" outside git."""
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True, timeout=5,
             cwd=Path(__file__).resolve().parent,
         ).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):

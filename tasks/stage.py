@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.artifacts import Artifact, commit_artifact, find_artifact, fingerprint, latest_artifact
+from infra.artifacts import Artifact, code_version, commit_artifact, find_artifact, fingerprint, latest_artifact
 from infra.config import LifecycleConfig
 from infra.store import FileStore
 from infra.tracking import Tracker, flatten_params
@@ -129,7 +129,11 @@ def execute_stage(
     fp = stage_fingerprint(cfg, stage, inputs)
     existing = find_artifact(ws.store, ws.experiment, stage, fp)
     if existing is not None and not force:
-        log(f"{stage}: cached {existing.uri}")
+        # the fingerprint covers config and inputs, not code: say when other code built the artifact
+        built, now = existing.manifest.get("code_version"), code_version()
+        stale = built not in (None, "unknown", now) and now != "unknown"
+        log(f"{stage}: cached {existing.uri}" + (f" (built by code {built}, this is {now}: `--force {stage}` "
+                                                  "rebuilds it)" if stale else ""))
         return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
 
     tracker = Tracker.for_workspace(ws)
