@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from .base import Section
+from .model import ModelConfig
 
 
 class ParallelConfig(Section):
@@ -81,10 +82,20 @@ class ParallelConfig(Section):
         return self
 
 
-def unsupported_layout(p: ParallelConfig) -> str | None:
-    """Why the trainer cannot compose this mesh (sizes are valid, the combination is not built), or None.
-    The one list of these rules: config validation calls it, and the trainer again at start
-    (trainer.parallel.layouts.check_supported)."""
+def unsupported_layout(p: ParallelConfig, model: ModelConfig | None = None) -> str | None:
+    """Why the trainer cannot compose this mesh (sizes are valid, the combination is not built), or None;
+    with `model`, also what this model cannot do on it. The one list of these rules: config validation
+    calls it, and the trainer again at start (trainer.parallel.layouts.check_supported)."""
+    if p.pp > 1 and p.pp_schedule in ("gpipe", "1f1b") and p.pp_virtual_stages != 1:
+        return (f"parallel.pp_schedule={p.pp_schedule} runs one model chunk per rank, pp_virtual_stages="
+                f"{p.pp_virtual_stages}; use interleaved_1f1b or interleaved_zb for several")
+    if model is not None:
+        if model.tie_embeddings and (p.pp > 1 or p.tp > 1):
+            return (f"model.tie_embeddings with parallel.pp={p.pp} tp={p.tp}: the embedding and the LM head sit on "
+                    "different pipeline stages, or are split along different dimensions by tensor parallel; untie them")
+        if model.moe is not None and model.moe.balance == "aux_loss" and p.pp > 1:
+            return (f"model.moe.balance=aux_loss with parallel.pp={p.pp}: the auxiliary loss of earlier stages has no "
+                    "path to the pipeline schedule's loss; use model.moe.balance=bias (DeepSeek-V3's bias balancing)")
     if p.zero >= 2 and (p.cp > 1 or p.ep > 1):
         return (f"parallel.zero={p.zero} (FSDP) with parallel.cp={p.cp} ep={p.ep}: FSDP composes with tensor and "
                 f"pipeline parallel only; use zero=1 (distributed optimizer) or zero=0 with context or expert parallel")

@@ -12,7 +12,7 @@ from .evaluate import EvaluateConfig
 from .export import ExportConfig
 from .infra import InfraConfig
 from .model import ModelConfig
-from .parallel import ParallelConfig
+from .parallel import ParallelConfig, unsupported_layout
 from .posttrain import PosttrainConfig
 from .serve import ServeConfig
 from .train import TrainConfig
@@ -76,6 +76,9 @@ class LifecycleConfig(Section):
             raise ValueError(f"pretrain.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
         if p.cp > 1 and p.cp_impl == "ulysses" and (m.n_heads // p.tp) % p.cp:
             raise ValueError(f"Ulysses needs heads per tp rank ({m.n_heads // p.tp}) divisible by cp={p.cp}")
+        unsupported = unsupported_layout(p, m)  # the rules that need the model too (the rest: ParallelConfig)
+        if unsupported:
+            raise ValueError(unsupported)
         check_mixture_sources(self.ablations, [s.name for s in self.data.sources], t.data_mixture)
         if p.ep > 1:
             if m.moe is None:

@@ -49,10 +49,10 @@ def test_every_problem_reported_at_once():
 
 def test_set_overrides_coerce_types_and_nest():
     cfg = load_config("tiny", ["pretrain.lr=1e-3", "model.qk_norm=true", "parallel.pp=2", "parallel.nproc_per_node=2", "parallel.pp_split=[3,1]",
-                               "model.moe={num_experts: 4, top_k: 1}", "name=abc"])
+                               "model.moe={num_experts: 4, top_k: 1, balance: bias}", "name=abc"])
     assert cfg.pretrain.lr == pytest.approx(1e-3) and cfg.model.qk_norm is True
     assert cfg.parallel.pp_split == [3, 1]
-    assert cfg.model.moe.num_experts == 4 and cfg.model.moe.top_k == 1
+    assert cfg.model.moe.num_experts == 4 and cfg.model.moe.top_k == 1 and cfg.model.moe.balance == "bias"
     assert cfg.name == "abc"
 
 

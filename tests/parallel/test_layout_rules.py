@@ -23,6 +23,8 @@ REFUSED = [  # (overrides on configs/tiny.yaml, words the error must contain)
     (["parallel.nproc_per_node=4", "parallel.dp=2", "parallel.cp=2", "parallel.zero=3"], ["parallel.zero=3", "cp=2"]),
     (["parallel.nproc_per_node=4", "parallel.tp=2", "parallel.dp=2"], ["parallel.tp=2", "dp=2", "zero=0", "DTensors"]),
     (["parallel.nproc_per_node=4", "parallel.tp=2", "parallel.cp=2"], ["parallel.tp=2", "cp=2", "zero=0"]),
+    (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.pp_virtual_stages=2", "pretrain.micro_batch_size=2"],
+     ["parallel.pp_schedule=1f1b", "pp_virtual_stages=2"]),
 ]
 COMPOSED = [  # layouts these issues built: they validate
     ["parallel.nproc_per_node=8", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=1",
@@ -51,6 +53,26 @@ def test_unsupported_layout_is_a_config_error_and_a_start_error(overrides, words
     assert all(w in str(start.value) for w in words if w != "parallel"), str(start.value)
 
 
+MODEL_REFUSED = [  # layouts this model cannot take: refused by validation and, unvalidated, at the trainer's start
+    (["parallel.nproc_per_node=2", "parallel.pp=2", "pretrain.micro_batch_size=2", "model.tie_embeddings=true"],
+     ["tie_embeddings", "pp=2"]),
+    (["parallel.nproc_per_node=2", "parallel.tp=2", "model.tie_embeddings=true"], ["tie_embeddings", "tp=2"]),
+    (["parallel.nproc_per_node=2", "parallel.pp=2", "pretrain.micro_batch_size=2", MOE], ["aux_loss", "balance=bias"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", MODEL_REFUSED, ids=[f"model{i}" for i in range(len(MODEL_REFUSED))])
+def test_what_a_model_cannot_do_on_a_layout_is_refused_before_anything_starts(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", overrides)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    cfg = load_config("tiny", [o for o in overrides if o.startswith("model.")])  # the model alone is fine
+    parallel = load_config("tiny", [o for o in overrides if not o.startswith("model.")]).parallel
+    with pytest.raises(NotImplementedError) as start:
+        check_supported(parallel, cfg.model)
+    assert all(w in str(start.value) for w in words), str(start.value)
+
+
 @pytest.mark.parametrize("overrides", COMPOSED, ids=[f"composed{i}" for i in range(len(COMPOSED))])
 def test_composed_layouts_validate(overrides):
     cfg = load_config("tiny", overrides)
@@ -63,7 +85,7 @@ SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" /
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_shipped_configs_and_presets_validate(path):
     cfg = load_config(str(path))
-    check_supported(cfg.parallel)
+    check_supported(cfg.parallel, cfg.model)  # what the trainer checks at start, the model's rules included
 
 
 def test_seed_config_is_the_seed_mesh():

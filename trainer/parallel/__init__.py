@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
     torch.compile per block, then data parallel: FSDP2 for ZeRO-2/3 and HSDP (in place), DDP for
     zero=0; ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). Returns the module to train
     (the DDP wrapper, or `model` itself)."""
-    check_supported(parallel)
+    check_supported(parallel, getattr(model, "cfg", None))
     if parallel.tp > 1:  # tensor (+ sequence, vocab) parallel: tensor_parallel.py
         apply_tensor_parallel(model, dims, parallel.sequence_parallel)
     apply_activation_checkpointing(model, train.activation_checkpointing)

@@ -5,10 +5,11 @@ checks again at start, for a config that did not come through validation."""
 
 from __future__ import annotations
 
+from infra.config.model import ModelConfig
 from infra.config.parallel import ParallelConfig, unsupported_layout
 
 
-def check_supported(parallel: ParallelConfig) -> None:
-    reason = unsupported_layout(parallel)
+def check_supported(parallel: ParallelConfig, model: ModelConfig | None = None) -> None:
+    reason = unsupported_layout(parallel, model)
     if reason:
         raise NotImplementedError(reason)
