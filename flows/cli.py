@@ -131,11 +131,13 @@ def estimate(
     overrides: list[str] = SetOpt,
     as_json: bool = typer.Option(False, "--json"),
     plot: Optional[str] = typer.Option(None, "--plot", help="write PNGs to this folder"),
+    serve: bool = typer.Option(False, "--serve", help="serving view: KV capacity, TTFT, TPOT, tokens/s by concurrency"),
 ) -> None:
-    """Memory, FLOPs, communication, step time and pipeline bubble for a config and layout."""
+    """Memory, FLOPs, communication (bytes and seconds per link), step time and pipeline bubble for a config
+    and layout; with --serve, inference: KV capacity, TTFT, TPOT and throughput by concurrency."""
     from trainer.estimate.cli import estimate_command
 
-    raise typer.Exit(estimate_command(config, preset, overrides, as_json, plot))
+    raise typer.Exit(estimate_command(config, preset, overrides, as_json, plot, serve=serve))
 
 
 @app.command()

@@ -5,6 +5,7 @@ and ring formulas, a played pipeline timeline), and the command writes JSON and 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -220,6 +221,153 @@ def test_layout_changes_move_the_estimate(seed):
     assert logged["estimate.flops_per_step"] == seed["flops_per_step"] and len(logged) >= 8
 
 
+# ----------------------------------------------------------------------------------------------- serving
+
+H100_BW = 3.35e12
+# The seed's 1.27B toy served on one GPU: 5 layers of 4*4096^2 (q, k, v, o) + 3*4096*11008 (SwiGLU) + 2*4096
+# (norms) = 1,011,916,800 parameters, plus the 32,000 x 4,096 embedding and head and the final norm.
+SEED_LAYERS = 5 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
+SEED_PARAMS = SEED_LAYERS + 2 * 32000 * 4096 + 4096  # 1,274,064,896
+# Read by one decode step: the layers, the head's V x h matmul, the final norm, one embedding row (bf16).
+SEED_DECODE_READ = 2 * (SEED_LAYERS + 32000 * 4096 + 4096 + 4096)  # 2,285,993,984 bytes
+ONE_GPU = ["estimate.serve.tp=1"]  # prompt 512 + output 256 tokens (the defaults)
+
+
+@pytest.fixture(scope="module")
+def served():
+    return estimate_run(load_preset("seed-1b", ONE_GPU))["serve"]
+
+
+def test_decode_at_one_sequence_reads_the_weights(served):
+    assert SEED_PARAMS == 1_274_064_896 and served["weight_bytes"] == 2 * SEED_PARAMS
+    one = served["table"][0]
+    assert one["concurrency"] == 1 and one["bound"] == "weights"  # bandwidth-bound, weights dominate
+    assert one["weight_bytes"] == SEED_DECODE_READ
+    # 2.29 GB / 3.35 TB/s = 0.682 ms; one sequence's KV (640 tokens x 80 KiB = 52 MB) adds 2.3%.
+    assert SEED_DECODE_READ / H100_BW <= one["tpot_s"] <= 1.03 * SEED_DECODE_READ / H100_BW
+    assert one["tpot_s"] == pytest.approx((SEED_DECODE_READ + 640 * 80 * KiB) / H100_BW)
+    assert one["compute_s"] < one["memory_s"] / 100  # "only a couple of FLOPs per byte"
+
+
+def test_throughput_climbs_linearly_then_stops_at_the_kv_limit(served):
+    rows = served["table"]
+    assert [r["concurrency"] for r in rows[:4]] == [1, 2, 4, 8]
+    assert rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] > 1.9  # "climbs almost linearly"
+    assert rows[1]["tpot_s"] / rows[0]["tpot_s"] < 1.05  # "costs little more per step than serving 1"
+    tps = [r["tokens_per_s"] for r in rows]
+    assert tps == sorted(tps)
+    # By hand: 80 GB x 0.9 - 2.548 GB of bf16 weights = 69.45 GB for the cache; a sequence at its final
+    # 768 tokens holds 768 x 81,920 bytes = 62.9 MB: 1,103.9 -> 1,103 sequences, the table's last row.
+    assert served["kv_capacity_tokens"] == pytest.approx((80e9 * 0.9 - 2 * SEED_PARAMS) / (80 * KiB))
+    assert served["max_concurrency"] == 1103 == rows[-1]["concurrency"]
+    assert rows[-1]["kv_bytes"] == pytest.approx(1103 * 640 * 80 * KiB)
+    # The curve bends where the batch's KV reads reach the weight reads: 2.29 GB / 52.4 MB = 43.6 -> 44.
+    assert served["knee_concurrency"] == math.ceil(SEED_DECODE_READ / (640 * 80 * KiB)) == 44
+    assert served["knee_reason"] == "kv_reads" and served["knees"]["compute"] is None  # MHA: ~1 FLOP/KV byte
+
+
+def test_fp8_kv_doubles_capacity_and_gqa_is_20kb(served):
+    fp8 = estimate_run(load_preset("seed-1b", ONE_GPU + ["estimate.serve.kv_dtype=fp8"]))["serve"]
+    assert fp8["kv_bytes_per_token"] == 40 * KiB
+    assert fp8["kv_capacity_tokens"] == pytest.approx(2 * served["kv_capacity_tokens"])
+    assert fp8["max_concurrency"] in (2 * 1103, 2 * 1103 + 1) and fp8["max_concurrency"] == 2207
+    gqa = estimate_run(load_preset("seed-1b", ONE_GPU + ["model.n_kv_heads=8"]))["serve"]
+    assert gqa["kv_bytes_per_token"] == 20 * KiB  # "8 KV heads ... cuts it to 20 KB"
+    assert gqa["max_concurrency"] > 3.9 * served["max_concurrency"]
+    int4 = estimate_run(load_preset("seed-1b", ONE_GPU + ["estimate.serve.weight_dtype=int4"]))["serve"]
+    assert int4["weight_bytes"] == SEED_LAYERS / 2 + 2 * (SEED_PARAMS - SEED_LAYERS)  # head/embedding stay bf16
+    assert int4["tpot_s"] < 0.45 * served["tpot_s"]
+
+
+def test_ttft_is_prefill_compute():
+    est = estimate_run(load_preset("seed-1b", ONE_GPU))
+    sv = est["serve"]
+    # 512 tokens x (2 x 1.143B matmul weights + 4 x 5 layers x 512 keys x 4,096) at 989 TFLOP/s x 40%.
+    flops = 512 * (2 * (SEED_PARAMS - 32000 * 4096) + 4 * 5 * 512 * 4096)
+    assert sv["prefill"]["flops"] == pytest.approx(flops)
+    assert sv["prefill"]["bound"] == "compute" and sv["ttft_s"] == pytest.approx(flops / (989e12 * 0.4))
+    # Tensor parallelism splits it (plus 10 all-reduces of 512 x 4,096 bf16 at 450 GB/s and 10 us each).
+    tp2 = estimate_run(load_preset("seed-1b"))["serve"]
+    assert tp2["tp"] == 2
+    assert tp2["ttft_s"] == pytest.approx(flops / 2 / (989e12 * 0.4) + 10 * (512 * 4096 * 2 / 450e9 + 1e-5))
+
+
+def test_moe_decode_reads_only_active_experts():
+    cfg = load_preset("seed-1b-moe", ONE_GPU)
+    counts = f.param_counts(cfg.model)
+    sv = estimate_run(cfg)["serve"]
+    # One token visits top-2 of 8 experts: the step reads the active parameters (less the embedding table,
+    # plus the one row looked up), not all 6.0B.
+    assert sv["weight_read_bytes_per_step"] == 2 * (counts["active"] - counts["embedding"]) + 2 * 4096
+    assert sv["weight_read_bytes_per_step"] < 0.35 * sv["weight_bytes"]
+    assert sv["weight_bytes"] == 2 * counts["total"]
+    # A batch visits more experts: E(1 - (1 - k/E)^n), all 8 at 64 tokens.
+    assert f.experts_touched(8, 2, 1) == 2 and f.experts_touched(8, 2, 64) == pytest.approx(8, rel=1e-6)
+    rows = {r["concurrency"]: r for r in sv["table"]}
+    assert rows[64]["weight_bytes"] == pytest.approx(2 * (counts["total"] - counts["embedding"]), rel=1e-3)
+
+
+def test_large_batches_turn_compute_bound():
+    sv = estimate_run(load_preset("llama3-70b"))["serve"]  # GQA 8: the KV cache is cheap to read
+    knee = sv["knees"]["compute"]
+    assert sv["knee_reason"] == "compute" and knee == sv["knee_concurrency"] < sv["max_concurrency"]
+    for r in sv["table"]:
+        assert (r["bound"] == "compute") == (r["concurrency"] >= knee), r["concurrency"]
+    no_fit = estimate_run(load_preset("llama3-405b"))["serve"]  # 810 GB of bf16 weights on 8 x 80 GB
+    assert no_fit["max_concurrency"] == 0 and no_fit["table"] == [] and "quantize" in no_fit["notes"][0]
+
+
+# ------------------------------------------------------------------------- links, placement and the m >= 4p rule
+
+
+def test_link_time_and_placement():
+    from trainer.estimate.links import mesh_groups
+
+    seed = estimate_run(load_preset("seed-1b"))
+    assert all(link["link"] == "nvlink" for link in seed["comm_links"].values())  # one node of 8
+    for dim in ("dp", "tp", "pp"):
+        assert seed["comm_time_s_per_step"][dim] == pytest.approx(seed["comm_bytes_per_step"][dim] / 450e9)
+    assert not [w for w in seed["warnings"] if "crosses nodes" in w]
+    # The trainer's rank order: tp innermost, then pp, dp outermost; ep cuts each dp x cp group.
+    groups = {k: v.tolist() for k, v in mesh_groups(load_preset("seed-1b-moe").parallel).items()}
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == groups["ep"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Two nodes of 4: tp and pp stay inside a node, the dp pairs (rank r and r + 4) cross the network.
+    two = estimate_run(load_preset("seed-1b", ["parallel.nnodes=2", "parallel.nproc_per_node=4"]))
+    assert two["comm_links"]["dp_cp"]["link"] == "network" and two["comm_links"]["tp"]["link"] == "nvlink"
+    assert two["comm_time_s_per_step"]["dp"] == pytest.approx(two["comm_bytes_per_step"]["dp"] / 50e9)
+    assert two["comm_time_s_per_step"]["tp"] == pytest.approx(seed["comm_time_s_per_step"]["tp"])
+    assert not [w for w in two["warnings"] if "crosses nodes" in w]
+    # HSDP (seed: "shards inside a node and replicates across nodes"): only the replica all-reduce crosses.
+    hsdp = estimate_run(load_preset("seed-1b", ["parallel.nnodes=2", "parallel.dp=4", "parallel.zero=3",
+                                                "parallel.dp_replicate=2"]))
+    assert (hsdp["comm_links"]["dp_shard"]["link"], hsdp["comm_links"]["dp_replicate"]["link"]) == ("nvlink", "network")
+    dp_bytes = hsdp["comm_bytes_per_step"]["dp"]
+    assert dp_bytes / 450e9 < hsdp["comm_time_s_per_step"]["dp"] < dp_bytes / 50e9
+    # One GPU per node: tensor parallelism crosses nodes, 9x slower, and the estimate says so.
+    spread = estimate_run(load_preset("seed-1b", ["parallel.nnodes=8", "parallel.nproc_per_node=1"]))
+    assert spread["comm_time_s_per_step"]["tp"] == pytest.approx(9 * seed["comm_time_s_per_step"]["tp"])
+    assert any("tensor parallelism crosses nodes" in w for w in spread["warnings"])
+    cp = estimate_run(load_preset("seed-1b", ["parallel.nnodes=2", "parallel.nproc_per_node=4", "parallel.dp=1",
+                                              "parallel.pp=2", "parallel.cp=2", "pretrain.global_batch_size=8"]))
+    assert cp["comm_links"]["cp"]["link"] == "nvlink"  # tp x cp = 4 fills a node of 4
+    assert not [w for w in cp["warnings"] if "crosses nodes" in w]
+    cp8 = estimate_run(load_preset("seed-1b", ["parallel.nnodes=2", "parallel.nproc_per_node=4", "parallel.dp=1",
+                                               "parallel.pp=1", "parallel.pp_split=auto", "parallel.tp=4", "parallel.cp=2",
+                                               "pretrain.global_batch_size=2", "pretrain.micro_batch_size=2"]))
+    assert any("context parallelism crosses nodes: tp x cp = 4 x 2 = 8 > nproc_per_node=4" in w
+               for w in cp8["warnings"])
+
+
+def test_one_f_one_b_rule_of_thumb(seed):
+    rule = [w for w in seed["warnings"] if "4p" in w]
+    assert len(rule) == 1 and "m=4" in rule[0] and "p=2" in rule[0] and "seed's own example" in rule[0]
+    enough = estimate_run(load_preset("seed-1b", ["pretrain.global_batch_size=32"]))  # m = 8 = 4p
+    assert enough["micro_batches"] == 8 and not [w for w in enough["warnings"] if "4p" in w]
+    gpipe = estimate_run(load_preset("seed-1b", ["parallel.pp_schedule=gpipe"]))  # the rule is for plain 1F1B
+    assert not [w for w in gpipe["warnings"] if "4p" in w]
+
+
 # ------------------------------------------------------------------------- the trainer's counted FLOPs
 
 
@@ -267,7 +415,11 @@ def test_summary_and_plots(tmp_path, capsys):
     assert estimate_command("seed-1b", None, ["pretrain.global_batch_size=32"], False, str(tmp_path)) == 0
     text = capsys.readouterr().out
     assert "1.27B" in text and "20.39 GB" in text and "32.0 MiB" in text
-    for name in ("memory.png", "mesh.png", "pipeline.png"):
+    assert "Serving on 2 GPUs" in text and "ms on NVLink" in text and "Decode by concurrency" not in text
+    assert estimate_command("seed-1b", None, ONE_GPU, False, None, serve=True) == 0
+    view = capsys.readouterr().out
+    assert "Decode by concurrency" in view and "1,103 sequences" in view and "20.39 GB" not in view
+    for name in ("memory.png", "mesh.png", "pipeline.png", "serving.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
 

@@ -1,6 +1,8 @@
 """The estimator behind `eightfold estimate`: the seed's formulas for parameters, bytes of model state,
 activations, FLOPs, collective bytes, step time, pipeline bubble and KV cache, computed for any config
-and layout without allocating anything (`formulas`, `run`), pipeline schedules played on an ideal clock
+and layout without allocating anything (`formulas`, `run`), the link each parallel dimension's groups use
+and its seconds per step, with the seed's placement rules (`links`), serving on a GPU: KV capacity, TTFT,
+and the decode roofline by concurrency (`serving`), pipeline schedules played on an ideal clock
 (`schedule`), named presets (`presets`), pictures (`plots`), the command (`cli`), and the FLOP count of a
 real model's forward and backward that the trainer logs next to the estimate (`flop_count`)."""
 

@@ -1,5 +1,6 @@
-"""`eightfold estimate [CONFIG | --preset NAME] [--set ...] [--json] [--plot DIR]`: a readable summary
-(rich) by default, one JSON object with stable keys for scripts, and PNGs on request."""
+"""`eightfold estimate [CONFIG | --preset NAME] [--set ...] [--json] [--plot DIR] [--serve]`: a readable
+summary (rich) by default, one JSON object with stable keys for scripts, PNGs on request, and with --serve
+the serving view (KV capacity, TTFT, TPOT and throughput by concurrency; `--set estimate.serve.*`)."""
 
 from __future__ import annotations
 
@@ -94,15 +95,26 @@ def print_summary(est: dict) -> None:
                                             if est["bubble_fraction_timeline"] is not None else "")
          + f" {est['pipeline_note']}"),
     ]))
-    c = est["comm_bytes_per_step"]
-    console.print(_table("Bytes one GPU sends per step", [
-        ("data parallel", fmt_bytes(c["dp"]), f"gradients (ZeRO-{est['zero']})"),
-        ("tensor parallel", fmt_bytes(c["tp"]), f"4 all-reduces per layer per micro-batch of "
-                                                 f"{fmt_bytes(est['tp_allreduce_tensor_bytes'])}"),
-        ("pipeline", fmt_bytes(c["pp"]), f"boundary tensor {fmt_bytes(est['pp_boundary_bytes'])}"),
-        ("context parallel", fmt_bytes(c["cp"]), "K/V ring hops (or Ulysses all-to-alls)"),
-        ("expert parallel", fmt_bytes(c["ep"]), "dispatch + combine all-to-alls"),
+    c, secs, links = est["comm_bytes_per_step"], est["comm_time_s_per_step"], est["comm_links"]
+    bw = est["link_bandwidth"]
+    dp_link = links.get("dp_cp") or links["dp_shard"]
+
+    def took(dim: str, link: dict) -> str:
+        if not c[dim]:
+            return ""
+        where = "NVLink" if link["link"] == "nvlink" else f"network ({link['nodes_spanned']} nodes)"
+        return f"{fmt_seconds(secs[dim])} on {where}; "
+
+    console.print(_table(f"Bytes one GPU sends per step (NVLink {bw['nvlink'] / 1e9:.0f} GB/s, network "
+                         f"{bw['network'] / 1e9:.0f} GB/s per GPU)", [
+        ("data parallel", fmt_bytes(c["dp"]), took("dp", dp_link) + f"gradients (ZeRO-{est['zero']}), overlaps backward"),
+        ("tensor parallel", fmt_bytes(c["tp"]), took("tp", links["tp"]) + f"4 all-reduces per layer per micro-batch of "
+                                                 f"{fmt_bytes(est['tp_allreduce_tensor_bytes'])}, on the critical path"),
+        ("pipeline", fmt_bytes(c["pp"]), took("pp", links["pp"]) + f"boundary tensor {fmt_bytes(est['pp_boundary_bytes'])}"),
+        ("context parallel", fmt_bytes(c["cp"]), took("cp", links["cp"]) + "K/V ring hops (or Ulysses all-to-alls)"),
+        ("expert parallel", fmt_bytes(c["ep"]), took("ep", links["ep"]) + "dispatch + combine all-to-alls"),
     ]))
+    print_serving(est, full=False)
     run = est.get("run")
     if run:
         console.print(_table("Whole run", [
@@ -111,10 +123,70 @@ def print_summary(est: dict) -> None:
             ("one GPU", f"{run['gpu_years']:,.0f} years", "at peak x MFU"),
             (f"{est['gpus']:,} GPUs", f"{run['days']:,.0f} days", ""),
         ]))
+    print_warnings(est)
+
+
+def print_warnings(est: dict) -> None:
+    for w in est["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def fmt_seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t * 1e6:.1f} us"
+
+
+BOUND = {"weights": "weight reads", "kv_reads": "KV reads", "compute": "compute"}
+KNEE = {"kv_reads": "the batch's KV reads reach the weight reads", "compute": "the step turns compute-bound",
+        "kv_capacity": "the KV cache fills memory", "weights_do_not_fit": "the weights do not fit"}
+
+
+def print_serving(est: dict, full: bool = True) -> None:
+    """The serving estimate: a few lines in the summary; with `full` the whole table by concurrency."""
+    sv = est["serve"]
+    pre = sv["prefill"]
+    knee = sv["knee_concurrency"]
+    console.print(_table(
+        f"Serving on {sv['tp']} GPU{'s' if sv['tp'] > 1 else ''} per replica ({sv['weight_dtype']} weights, "
+        f"{sv['kv_dtype']} KV cache, {sv['prompt_len']} prompt + {sv['output_len']} output tokens)", [
+            ("weights", fmt_bytes(sv["weight_bytes"]), f"{fmt_bytes(sv['weight_bytes_per_gpu'])} per GPU; a decode "
+                                                      f"step at concurrency 1 reads {fmt_bytes(sv['weight_read_bytes_per_step'])}"),
+            ("KV cache per token", fmt_bytes(sv["kv_bytes_per_token"]), f"{fmt_bytes(sv['kv_bytes_per_token_per_gpu'])} per GPU"),
+            ("KV capacity", f"{sv['max_concurrency']:,} sequences",
+             f"{sv['kv_capacity_tokens']:,.0f} tokens after the weights and a {sv['memory_reserve']:.0%} reserve, "
+             f"at {sv['context']} tokens each"),
+            ("TTFT", fmt_seconds(sv["ttft_s"]), f"prefill, {pre['bound']}-bound: {fmt_flops(pre['flops'])} at "
+                                                 f"{sv['prefill_mfu']:.0%} MFU vs one read of the weights"),
+            ("TPOT at 1 sequence", fmt_seconds(sv["tpot_s"]), f"{sv['tokens_per_s_one']:,.0f} tok/s: bytes / "
+                                                              f"{sv['gpu_memory_bandwidth'] / 1e12:.2f} TB/s"),
+            ("peak throughput", f"{sv['peak_tokens_per_s']:,.0f} tok/s", "at the KV limit, per replica"),
+            ("knee", f"{knee:,}" if knee else "-", KNEE[sv["knee_reason"]]),
+        ]))
+    for note in sv["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    if not full or not sv["table"]:
+        return
+    t = Table(title="Decode by concurrency (roofline: max(bytes / bandwidth, FLOPs / peak) + TP all-reduces; "
+                    "bytes per GPU; * past the knee)",
+              title_justify="left", box=None, pad_edge=False)
+    for name in ("concurrency", "TPOT", "tok/s", "x conc. 1", "weights read", "KV read", "bound"):
+        t.add_column(name, justify="right")
+    base = sv["table"][0]["tokens_per_s"]
+    marked = False
+    for r in sv["table"]:
+        mark = " *" if knee and r["concurrency"] >= knee and not marked else ""  # the first row past the knee
+        marked = marked or bool(mark)
+        t.add_row(f"{r['concurrency']:,}", fmt_seconds(r["tpot_s"]), f"{r['tokens_per_s']:,.0f}",
+                  f"{r['tokens_per_s'] / base:.2f}", fmt_bytes(r["weight_bytes"]), fmt_bytes(r["kv_bytes"]),
+                  BOUND[r["bound"]] + mark)
+    console.print(t)
 
 
 def estimate_command(config: str | None, preset: str | None, overrides: list[str], as_json: bool,
-                     plot_dir: str | None) -> int:
+                     plot_dir: str | None, serve: bool = False) -> int:
     """Exit code 0, or 2 when the config or preset is bad (the error names the field)."""
     if config and preset:
         errors.print("[red]give a CONFIG or --preset NAME, not both[/red]")
@@ -136,6 +208,12 @@ def estimate_command(config: str | None, preset: str | None, overrides: list[str
         plots = [str(p) for p in write_plots(cfg, est, plot_dir)]
     if as_json:
         sys.stdout.write(json.dumps({**est, "plots": plots}) + "\n")
+    elif serve:
+        console.print(f"[bold]{est['config']}[/bold]: {est['gpu_peak_flops'] / 1e12:.0f} TFLOP/s peak, "
+                      f"{est['serve']['gpu_memory_bandwidth'] / 1e12:.2f} TB/s, {fmt_bytes(est['gpu_memory_bytes'])} per GPU")
+        print_serving(est, full=True)
+        for p in plots:
+            console.print(f"wrote {p}")
     else:
         print_summary(est)
         for p in plots:

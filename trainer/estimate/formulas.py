@@ -1,5 +1,5 @@
 """The seed's arithmetic as pure functions: parameters, bytes of state, activations, FLOPs, collective
-bytes, KV cache. Plain numbers in, plain numbers out; no torch, nothing allocated.
+bytes, KV cache, and the serving roofline. Plain numbers in, plain numbers out; no torch, nothing allocated.
 
 Conventions (and where they come from):
 - Model state: 2 (bf16 weight) + 2 (bf16 gradient) + 4 + 4 + 4 (fp32 master, Adam m, Adam v) = 16 bytes
@@ -201,9 +201,42 @@ def data_parallel_bytes(params: float, zero: int, n: int, *, grad_bytes: int = 2
     raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
 
 
-def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: int = 2) -> int:
+def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> float:
     """KV cache per token: 2 (K and V) x layers x KV heads x head size x bytes (seed: 80 KB; 20 KB with GQA 8)."""
     return 2 * n_layers * kv_heads * head_dim * bytes_per_value
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+# Bytes per stored value. INT4 weight-only (AWQ, GPTQ) is counted at half a byte, without its group scales
+# (one bf16 scale per 128 weights adds 1/64 byte).
+WEIGHT_DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}
+KV_DTYPE_BYTES = {"bf16": 2.0, "fp8": 1.0}
+
+
+def experts_touched(num_experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts of one MoE layer that `tokens` tokens visit, each picking top_k of
+    num_experts uniformly: E * (1 - (1 - k/E)^n). One token reads exactly its top_k experts; a large batch
+    reads them all, so batched MoE decode loses the active-parameter discount on bandwidth."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def roofline_time(bytes_moved: float, flops: float, bandwidth: float, peak_flops: float) -> tuple[float, str]:
+    """(seconds, "memory" or "compute"): a kernel takes as long as the slower of reading its bytes and doing
+    its FLOPs (Williams et al. 2009). Decode does a couple of FLOPs per byte against an H100's ~300 FLOP
+    per byte of bandwidth, so it sits on the memory side (seed, "bound by memory bandwidth")."""
+    memory, compute = bytes_moved / bandwidth, flops / peak_flops
+    return (compute, "compute") if compute > memory else (memory, "memory")
+
+
+def kv_capacity_tokens(gpu_memory: float, reserve: float, weight_bytes_per_gpu: float,
+                       kv_bytes_per_token_per_gpu: float) -> float:
+    """Tokens of KV cache one GPU holds: what is left of its memory after the runtime's reserve (a share)
+    and its weights, divided by one token's K and V on that GPU. Zero when the weights do not fit."""
+    free = gpu_memory * (1 - reserve) - weight_bytes_per_gpu
+    return max(free, 0.0) / kv_bytes_per_token_per_gpu
 
 
 # ------------------------------------------------------------------------------------- pipeline split

@@ -1,6 +1,6 @@
 """Pictures of an estimate (PNG, matplotlib without a display): the memory of each pipeline stage's GPU
-with the busiest marked, the device mesh (which rank holds which coordinates and layers), and the
-pipeline schedules as timelines with the bubble visible."""
+with the busiest marked, the device mesh (which rank holds which coordinates and layers), the
+pipeline schedules as timelines with the bubble visible, and serving throughput and TPOT by concurrency."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from matplotlib.patches import Patch, Rectangle
 from infra.config.schema import LifecycleConfig
 
 from .schedule import bubble_fraction, play
+from .serving import serve_model
 
 GB = 1e9
 PARTS = [("weights", "#4c72b0"), ("grads", "#55a868"), ("optimizer", "#8172b2"), ("activations", "#dd8452"),
@@ -164,8 +165,61 @@ def plot_schedules(p: int, m: int, v: int, path: Path, title: str = "") -> Path:
     return path
 
 
+def plot_serving(cfg: LifecycleConfig, est: dict, path: Path) -> Path:
+    """Aggregate decode throughput and TPOT against concurrency (log scale) up to the KV-cache limit, with
+    the linear extrapolation from one sequence (seed: "throughput climbs almost linearly with concurrency")
+    and the knee and the KV limit marked."""
+    sv = est["serve"]
+    sm = serve_model(cfg)
+    limit, knee = sv["max_concurrency"], sv["knee_concurrency"]
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    ax_tps, ax_tpot = fig.subplots(1, 2)
+    title = (f"{est['config']}: decode on {sv['tp']} GPU{'s' if sv['tp'] > 1 else ''} per replica, {sv['weight_dtype']} "
+             f"weights, {sv['kv_dtype']} KV, {sv['prompt_len']} + {sv['output_len']} tokens; "
+             f"TTFT {sv['ttft_s'] * 1e3:.2f} ms")
+    if limit < 1:
+        for ax in (ax_tps, ax_tpot):
+            ax.text(0.5, 0.5, "the weights leave no room for a KV cache", transform=ax.transAxes, ha="center")
+            ax.axis("off")
+        fig.suptitle(title, fontsize=10)
+        fig.savefig(path, dpi=110)
+        return path
+    xs = sorted({max(1, round(limit ** (i / 80))) for i in range(81)} | {limit})
+    rows = [sm.decode_step(b, sv["average_context"]) for b in xs]
+    tps = [r["tokens_per_s"] for r in rows]
+    tpot = [r["tpot_s"] * 1e3 for r in rows]
+    colors = {"weights": "#4c72b0", "kv_reads": "#dd8452", "compute": "#c44e52"}
+    labels = {"weights": "weight-read-bound", "kv_reads": "KV-read-bound", "compute": "compute-bound"}
+    for ax, ys in ((ax_tps, tps), (ax_tpot, tpot)):
+        ax.plot(xs, ys, color="black", linewidth=1)
+        for bound, color in colors.items():
+            pts = [(x, y) for x, y, r in zip(xs, ys, rows) if r["bound"] == bound]
+            if pts:
+                ax.scatter(*zip(*pts), s=10, color=color, label=labels[bound], zorder=3)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sequences")
+        ax.axvline(limit, color="black", linestyle="--", linewidth=1)
+        ax.text(limit, 0.98, f" KV limit {limit:,}", transform=ax.get_xaxis_transform(), ha="right", va="top", fontsize=8)
+        if knee and knee < limit:
+            ax.axvline(knee, color="#8172b2", linestyle=":", linewidth=1.2)
+            ax.text(knee, 0.55, f" knee {knee:,}\n ({sv['knee_reason'].replace('_', ' ')})",
+                    transform=ax.get_xaxis_transform(), fontsize=8, color="#8172b2")
+    ax_tps.plot(xs, [tps[0] * x for x in xs], color="gray", linestyle="--", linewidth=0.8,
+                label="linear from 1 sequence")
+    ax_tps.set_ylim(0, max(tps) * 1.25)
+    ax_tps.set_ylabel("output tokens/s (all sequences)")
+    ax_tps.set_title("aggregate throughput", fontsize=10)
+    ax_tps.legend(fontsize=8, loc="upper left")
+    ax_tpot.set_ylim(0, max(tpot) * 1.15)
+    ax_tpot.set_ylabel("TPOT, ms (one decode step)")
+    ax_tpot.set_title("time per output token", fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def write_plots(cfg: LifecycleConfig, est: dict, out_dir: str | Path) -> list[Path]:
-    """All three pictures into `out_dir` (created): memory.png, mesh.png, pipeline.png."""
+    """All four pictures into `out_dir` (created): memory.png, mesh.png, pipeline.png, serving.png."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     p, m, v = cfg.parallel.pp, est["micro_batches"], cfg.parallel.pp_virtual_stages
@@ -173,4 +227,4 @@ def write_plots(cfg: LifecycleConfig, est: dict, out_dir: str | Path) -> list[Pa
     if p == 1:
         title += " (no pipeline in this layout: one GPU, no bubble)"
     return [plot_memory(est, out / "memory.png"), plot_mesh(cfg, est, out / "mesh.png"),
-            plot_schedules(p, m, v, out / "pipeline.png", title)]
+            plot_schedules(p, m, v, out / "pipeline.png", title), plot_serving(cfg, est, out / "serving.png")]

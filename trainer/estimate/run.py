@@ -13,12 +13,16 @@ from __future__ import annotations
 from infra.config.schema import LifecycleConfig
 
 from . import formulas as f
+from .links import group_links, link_time, pipeline_warning, placement_warnings
 from .schedule import SCHEDULES, bubble_fraction, play
+from .serving import estimate_serving
 
 # The `--json` keys scripts may rely on (more may be added, none removed).
 JSON_KEYS = (
     "params", "active_params", "state_bytes", "state_bytes_per_rank", "flops_per_step", "step_time_s",
     "tokens_per_s", "tp_allreduce_bytes", "kv_bytes_per_token", "bubble_fraction", "busiest_rank_bytes",
+    "comm_time_s_per_step", "warnings", "serve", "serve_max_concurrency", "serve_ttft_s", "serve_tpot_s",
+    "serve_peak_tokens_per_s",
 )
 
 
@@ -176,10 +180,33 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             # Dispatch and combine forward, and both again backward: each token's top_k copies of h.
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
-        return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes}
+        # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
+        hsdp = (f.ring_allreduce_bytes(st["dense_params"] * per_param["grads"] / dense_shard, par.dp_replicate)
+                if par.zero >= 2 else 0.0)
+        return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 
     per_rank_comm = [comm(st) for st in stages]
     comm_bytes = {k: max(c[k] for c in per_rank_comm) for k in per_rank_comm[0]}
+
+    # Seconds on the link each dimension's groups use (seed: NVLink ~450 GB/s each way inside a node,
+    # ~50 GB/s per GPU across nodes). Data parallelism syncs over dp x cp ranks (ZeRO 0/1); under HSDP the
+    # reduce-scatter/all-gather run in the shard group and the replica all-reduce in the replicate group.
+    links = group_links(par)
+
+    def seconds(nbytes: float, dim: str) -> float:
+        return link_time(nbytes, links[dim]["link"], est.intra_node_bandwidth, est.inter_node_bandwidth)
+
+    hsdp = comm_bytes.pop("hsdp")
+    if par.zero >= 2:
+        dp_time = seconds(comm_bytes["dp"] - hsdp, "dp_shard") + seconds(hsdp, "dp_replicate")
+    else:
+        dp_time = seconds(comm_bytes["dp"], "dp_cp")
+    comm_time = {"dp": dp_time, **{k: seconds(comm_bytes[k], k) for k in ("tp", "pp", "cp", "ep")}}
+    warnings = placement_warnings(par, links)
+    rule = pipeline_warning(par.pp_schedule, p, micro_batches)
+    if rule:
+        warnings.append(rule)
+    serve = estimate_serving(cfg)
 
     bubble = bubble_fraction(p, micro_batches, v_sim) if p > 1 else 0.0
     def dense_layer(flash: bool, mode: str) -> float:
@@ -227,12 +254,22 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
         "tp_allreduce_tensor_bytes": act_tensor,
         "pp_boundary_bytes": act_tensor / (tp if par.sequence_parallel else 1) if p > 1 else 0,
         "comm_bytes_per_step": comm_bytes,
+        "comm_time_s_per_step": comm_time,
+        "comm_links": {k: links[k] for k in ("dp_cp" if par.zero < 2 else "dp_shard", "dp_replicate", "tp", "pp",
+                                             "cp", "ep")},
+        "link_bandwidth": {"nvlink": est.intra_node_bandwidth, "network": est.inter_node_bandwidth},
+        "warnings": warnings,
         "pipeline_schedule": par.pp_schedule,
         "pipeline_schedule_simulated": schedule if p > 1 else "none",
         "pipeline_note": note,
         "bubble_fraction": bubble,
         "bubble_fraction_timeline": (timeline.bubble_fraction if p > 1 else 0.0) if timeline is not None else None,
         "kv_bytes_per_token": f.kv_bytes_per_token(model.n_layers, model.kv_heads, model.head_size, 2),
+        "serve": serve,
+        "serve_max_concurrency": serve["max_concurrency"],
+        "serve_ttft_s": serve["ttft_s"],
+        "serve_tpot_s": serve["tpot_s"],
+        "serve_peak_tokens_per_s": serve["peak_tokens_per_s"],
         "run": None,
     }
     if est.total_tokens:
@@ -251,7 +288,8 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
 # What the trainer logs next to its measurements (MLflow params), so a run's measured FLOPs per step,
 # tokens/s and peak memory sit beside what the formulas predicted for the same config.
 TRACKED = ("params", "active_params", "flops_per_token", "flops_per_step", "step_time_s", "tokens_per_s",
-           "busiest_rank_bytes", "state_bytes_per_rank", "bubble_fraction", "kv_bytes_per_token")
+           "busiest_rank_bytes", "state_bytes_per_rank", "bubble_fraction", "kv_bytes_per_token",
+           "serve_max_concurrency", "serve_ttft_s", "serve_tpot_s", "serve_peak_tokens_per_s")
 
 
 def tracking_params(est: dict) -> dict[str, float]:
