@@ -19,6 +19,22 @@ from tasks.health import health_task
 from tasks.stage import ArtifactRef, is_committed, resolve_upstream, submit_stage
 
 
+# stages that load the model as a Hugging Face checkpoint (post-training's engine writes one for rollouts
+# and held-out accuracy; the rest read the export)
+NEEDS_HF = ("posttrain-sft", "posttrain-dpo", "posttrain-grpo", "export", "evaluate", "serve")
+
+
+def check_runnable(cfg, selected: list[str]) -> None:
+    """Refuse, before anything runs, what a later stage would refuse after hours of training."""
+    from stages.export.hf import hf_export_problem
+
+    later = [s for s in selected if s in NEEDS_HF]
+    problem = hf_export_problem(cfg.model, cfg.export.moe_architecture) if later else None
+    if problem:
+        raise ValueError(f"{problem} (stages {', '.join(later)} need the model as a Hugging Face checkpoint; "
+                         "run up to pretrain with --stages, or change the model)")
+
+
 @flow(name="lifecycle", log_prints=True)
 def lifecycle(
     config: str = "configs/tiny.yaml",
@@ -32,6 +48,7 @@ def lifecycle(
     cfg = load_config(config, overrides or [])
     ws = Workspace.from_config(cfg)
     selected = stage_order(stages)
+    check_runnable(cfg, selected)
     forced = set().union(*(downstream(s) for s in (force or []))) if force else set()
 
     tracker = Tracker.for_workspace(ws)

@@ -57,6 +57,20 @@ def hf_architecture(cfg: ModelConfig, moe_architecture: str = "auto") -> str:
     return "mixtral" if mixtral_ok else "qwen2_moe"
 
 
+def hf_export_problem(cfg: ModelConfig, moe_architecture: str = "auto") -> str | None:
+    """Why a model of this config, once trained, cannot be written as a Hugging Face checkpoint (which
+    post-training's engine, export, evaluate and serve all load), or None: checked before anything runs."""
+    try:
+        hf_architecture(cfg, moe_architecture)
+    except ExportError as e:
+        return str(e)
+    if cfg.moe is not None and cfg.moe.balance == "bias":
+        return ("model.moe.balance=bias: the trained DeepSeek-V3 routing bias changes which experts are chosen, and "
+                "no Hugging Face architecture this export writes (Mixtral, Qwen2-MoE, Qwen3-MoE) has one; use "
+                "balance=aux_loss for a model that goes past pretraining")
+    return None
+
+
 ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 

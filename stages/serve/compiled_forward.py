@@ -16,6 +16,9 @@ long prompt, a prompt after a prefix-cache hit, logprobs) stay eager: compiling 
 attentions one by one was measured no faster, the cost of entering each compiled call (~80 us of
 guards and wrappers) eating what fusion saved.
 
+Mixture-of-experts models stay eager (`CompiledPieces.build` says so): their expert loop sizes each
+matmul from the per-expert token counts of the step (moe.py), shapes that change step by step.
+
 The engine warms every variant up at start, so no request pays for compiling. A call that fails
 to compile logs a warning, is redone eagerly (its writes are idempotent: the same K/V to the same
 places) and the model runs eager from then on.
@@ -29,6 +32,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from .moe import MoEWeights, moe_mlp
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ class EagerPieces:
         T = x.shape[0]
         x = x + F.linear(attn.reshape(T, self.nh * self.d), o)
         h = _rms_norm(x, mlp_norm, self.eps)
+        if isinstance(gate_up, MoEWeights):  # a sparse layer (moe.py): `down` is None
+            return x + moe_mlp(h, gate_up)
         gu = F.linear(h, gate_up)
         return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter:], down)
 
@@ -161,6 +168,11 @@ class CompiledPieces:
     def build(cls, model) -> "CompiledPieces | None":
         """None (and a warning) when the weights are not all plain tensors: quantized weights
         (quant_linear.py) dequantize through `__torch_function__`, which is not compiled here."""
+        if model.shape.num_experts:
+            # the expert loop sizes its matmuls from a host-side count per expert: data-dependent
+            # shapes that would recompile (or break the graph) step after step
+            log.warning("compiled forward skipped: mixture-of-experts layers run eager (token-grouped expert loop)")
+            return None
         plain = all(isinstance(t, torch.Tensor) for li in range(len(model.layers)) for w in model.layer_weights(li)
                     for t in w if t is not None)
         if not plain or not isinstance(model.lm_head, torch.Tensor) or not isinstance(model.embed, torch.Tensor):

@@ -6,6 +6,9 @@ chunks, decodes, draft tokens to verify) goes through each matmul together; only
 per sequence: each layer first writes the step's K/V into their cache slots, then every sequence
 attends over the K/V gathered from its block table (PagedAttention's indirection, done with a
 gather and SDPA, which runs on CPU and CUDA alike).
+
+Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE: what the export stage writes) load
+too: their sparse layers' MLP is moe.py's token-grouped expert computation, the rest is unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from .compiled_forward import EagerPieces
 from .gguf_loader import find_gguf, load_gguf
+from .moe import MoEWeights
 from .quant_linear import take_quantized
 
 FP8_MAX = 448.0  # largest finite float8 e4m3 value
@@ -42,15 +46,28 @@ class LlamaShape:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_id: int | None
+    # mixture of experts (moe.py), as the architecture's own config.json says; num_experts 0 = dense
+    moe_arch: str | None = None  # mixtral, qwen2_moe or qwen3_moe
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one routed expert's hidden width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0 = none
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the MoE; the others are dense
+    norm_topk_prob: bool = True  # the k chosen weights renormalised to sum to 1
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaShape":
         arch = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2", "qwen3") or \
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS) or \
                 not any(a.endswith("ForCausalLM") for a in arch):
-            raise ValueError(f"unsupported checkpoint: model_type={cfg.get('model_type')!r} architectures={arch}")
-        if cfg.get("num_local_experts") or cfg.get("num_experts"):
-            raise ValueError("mixture-of-experts checkpoints are not supported by this engine (serve them with vLLM)")
+            raise ValueError(f"unsupported checkpoint: model_type={model_type!r} architectures={arch}")
+        if model_type not in MOE_ARCHS and (cfg.get("num_local_experts") or cfg.get("num_experts")):
+            raise ValueError(f"mixture-of-experts checkpoint with model_type={model_type!r}: this engine serves "
+                             f"MoE as {', '.join(MOE_ARCHS)} only")
         rope = dict(cfg.get("rope_parameters") or {})  # transformers 5
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -71,7 +88,78 @@ class LlamaShape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            **(moe_fields(cfg) if model_type in MOE_ARCHS else {}),
         )
+
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def moe_fields(cfg: dict) -> dict:
+    """LlamaShape's expert fields from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, with each
+    architecture's own defaults for keys left out (transformers' configuration_*.py) and its own rule
+    for which layers are sparse (modeling_*.py's decoder layer)."""
+    kind, n_layers = cfg["model_type"], cfg["num_hidden_layers"]
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if kind == "mixtral":
+        window = cfg.get("sliding_window")
+        if window is not None and window < max_pos:
+            raise ValueError(f"Mixtral checkpoint with sliding_window={window} < max_position_embeddings={max_pos}: "
+                             "sliding-window attention is not supported by this engine")
+        num_experts, top_k = int(cfg.get("num_local_experts", 8)), int(cfg.get("num_experts_per_tok", 2))
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"mixtral checkpoint with num_experts_per_tok={top_k} and num_local_experts={num_experts}")
+        return dict(moe_arch=kind, num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(cfg["intermediate_size"]), sparse_layers=tuple(range(n_layers)),
+                    norm_topk_prob=True)  # Mixtral always renormalises
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{kind} checkpoint with use_sliding_window=true: sliding-window attention is not "
+                         "supported by this engine")
+    defaults = {"qwen2_moe": (60, 4, 1408), "qwen3_moe": (128, 8, 768)}[kind]
+    num_experts = int(cfg.get("num_experts", defaults[0]))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"{kind} checkpoint with decoder_sparse_step={step}: must be >= 1")
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(n_layers) if i not in dense_only and num_experts > 0 and (i + 1) % step == 0)
+    shared = int(cfg.get("shared_expert_intermediate_size", 5632)) if kind == "qwen2_moe" else 0
+    top_k = int(cfg.get("num_experts_per_tok", defaults[1]))
+    if sparse and not 1 <= top_k <= num_experts:
+        raise ValueError(f"{kind} checkpoint with num_experts_per_tok={top_k} and num_experts={num_experts}")
+    return dict(moe_arch=kind, num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", defaults[2])),
+                shared_expert_intermediate_size=shared, sparse_layers=sparse,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
+def load_moe(s: LlamaShape, prefix: str, get) -> MoEWeights:
+    """One sparse layer's weights under the architecture's on-disk names (what stages/export/hf.py
+    writes and transformers reads): Mixtral's `block_sparse_moe.gate` and `experts.{e}.w1/w3/w2`
+    (gate/up/down), the Qwen ones' `mlp.gate` and `experts.{e}.{gate,up,down}_proj`, plus Qwen2-MoE's
+    `shared_expert.*` and `shared_expert_gate`."""
+    H, E, Ie = s.hidden_size, s.num_experts, s.moe_intermediate_size
+    if s.moe_arch == "mixtral":
+        base, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        base, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    gate_up, down = [], []
+    for e in range(E):
+        g, u, d = (f"{base}experts.{e}.{n}.weight" for n in names)
+        gate_up.append(torch.cat([get(g, (Ie, H)), get(u, (Ie, H))]).contiguous())
+        down.append(get(d, (H, Ie)))
+    w = MoEWeights(router=get(base + "gate.weight", (E, H)), gate_up=gate_up, down=down,
+                   top_k=s.num_experts_per_tok, norm_topk_prob=s.norm_topk_prob,
+                   weights_in_fp32=s.moe_arch == "mixtral")
+    Is = s.shared_expert_intermediate_size
+    if Is > 0:
+        w.shared_gate_up = torch.cat([get(base + "shared_expert.gate_proj.weight", (Is, H)),
+                                      get(base + "shared_expert.up_proj.weight", (Is, H))]).contiguous()
+        w.shared_down = get(base + "shared_expert.down_proj.weight", (H, Is))
+        w.shared_gate = get(base + "shared_expert_gate.weight", (1, H))
+    if any(t is not None and not isinstance(t, torch.Tensor) for t in (w.router, w.shared_gate)):
+        raise ValueError(f"{base}gate / shared_expert_gate are quantized: MoE routers must stay unquantized "
+                         "(the export stage keeps them in the export dtype)")
+    return w
 
 
 def rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
@@ -333,19 +421,22 @@ class PagedLlama:
                 "qkv_bias": bias,
                 "o": get(p + "self_attn.o_proj.weight", (H, s.num_heads * d)),
                 "mlp_norm": get(p + "post_attention_layernorm.weight", (H,)),
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight", (s.intermediate_size, H)),
-                                      get(p + "mlp.up_proj.weight", (s.intermediate_size, H))]).contiguous(),
-                "down": get(p + "mlp.down_proj.weight", (H, s.intermediate_size)),
+                "moe": load_moe(s, p, get) if s.is_sparse(i) else None,
                 "q_norm": get(p + "self_attn.q_norm.weight") if p + "self_attn.q_norm.weight" in sd else None,
                 "k_norm": get(p + "self_attn.k_norm.weight") if p + "self_attn.k_norm.weight" in sd else None,
             }
+            if layer["moe"] is None:
+                layer["gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight", (s.intermediate_size, H)),
+                                              get(p + "mlp.up_proj.weight", (s.intermediate_size, H))]).contiguous()
+                layer["down"] = get(p + "mlp.down_proj.weight", (H, s.intermediate_size))
             self.layers.append(layer)
 
     def layer_weights(self, li: int) -> tuple[tuple, tuple]:
         """Layer `li`'s weights as the two tuples the pieces take: (attention in, attention out + MLP)."""
         L = self.layers[li]
         return ((L["attn_norm"], L["qkv"], L["qkv_bias"], L["q_norm"], L["k_norm"]),
-                (L["o"], L["mlp_norm"], L["gate_up"], L["down"]))
+                (L["o"], L["mlp_norm"], L["gate_up"], L["down"]) if L["moe"] is None else
+                (L["o"], L["mlp_norm"], L["moe"], None))
 
     def compile(self) -> bool:
         """Run all-decode steps compiled (compiled_forward.py; warmed up by the engine, which owns
