@@ -51,6 +51,23 @@ def _spike_config(ctx: StageContext, spec: JobSpec):
     return section.spike
 
 
+def _exclude_bad_nodes(launcher, spec: JobSpec) -> str:
+    """Nodes the failed job's pre-flight found bad (trainer/health.py) go into the launcher's exclude
+    list (Slurm: the exclude file every later submit reads), so the task's retry runs elsewhere."""
+    from trainer.health import read_bad_nodes
+
+    bad = read_bad_nodes(spec.workdir)
+    if not bad:
+        return ""
+    exclude = getattr(launcher, "exclude_file", None)
+    if exclude is not None:
+        from infra.launch.slurm import record_bad_nodes
+
+        record_bad_nodes(exclude, sorted(bad), reason=f"{spec.job_id} pre-flight: " + "; ".join(bad.values()))
+        return f"; pre-flight failed on {', '.join(sorted(bad))}: excluded from later submits ({exclude})"
+    return f"; pre-flight failed on {', '.join(sorted(bad))} ({launcher.name} launcher: nothing to exclude)"
+
+
 def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = None) -> JobResult:
     """Launch the job and wait. A job that resumes (`resume: latest`) into a folder an earlier attempt
     used learns from it (stages/attempts.py): its attempt number, the LR cap and the data windows to
@@ -81,10 +98,10 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
     status = result.status if result else "no result.json"
     message = result.message if result else ""
     error: type[TrainingJobFailed] = TrainingJobFailed
-    event = ""
+    event = _exclude_bad_nodes(launcher, spec)
     if spike is not None:
         record = settle(spec, result, code, spike)
-        event = f"; {record['event']}"
+        event += f"; {record['event']}"
         ctx.log_metrics({f"task.{record['status']}": 1.0, **({"task.rollback_to_step": float(record["resume_step"])}
                                                             if "resume_step" in record else {})}, None)
         if record["status"] == "diverged":

@@ -5,7 +5,10 @@ minutes").
 Pre-flight, on every rank, with the measurements of infra.health run inside the job's own process
 group: devices, a timed all-reduce over all ranks (its sum checked), matmul throughput against the
 expected peak, free disk in the work dir, and (rank 0) a write/read/delete in the output store. A
-failed check ends the job before training with a message naming it. The collective timeout itself is
+failed check ends the job before training with a message naming it and the node, and leaves a report
+in `{workdir}/bad-nodes/` that the launching stage reads to keep the node out of later submits (seed:
+"Teams run health checks between jobs, keep spare nodes ready"; stages/pretrain.py, Slurm's exclude
+file). The collective timeout itself is
 `parallel.collective_timeout_s` (trainer.loop.init_distributed): a hung rank makes its peers'
 collectives fail after that long, the job exits, and torchrun restarts it.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -93,8 +97,34 @@ def preflight(device: torch.device, workdir: str | Path, store: Store | None, ra
     report = HealthReport(checks)
     if not report.ok:
         details = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if not c.ok)
-        raise PreflightFailed(f"rank {rank} pre-flight failed: {details}")
+        node = report_bad_node(workdir, rank, details)
+        raise PreflightFailed(f"rank {rank} on node {node} pre-flight failed: {details}")
     return report
+
+
+BAD_NODES = "bad-nodes"
+
+
+def report_bad_node(workdir: str | Path, rank: int, reason: str) -> str:
+    """Record that this rank's node failed pre-flight (one file per node and rank); returns the node name."""
+    node = socket.gethostname()
+    folder = Path(workdir) / BAD_NODES
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{node}.rank{rank}.json").write_text(
+        json.dumps({"node": node, "rank": rank, "reason": reason, "time": time.time()}))
+    return node
+
+
+def read_bad_nodes(workdir: str | Path) -> dict[str, str]:
+    """Nodes reported by `report_bad_node` under `workdir`: node -> reason (the first rank's)."""
+    out: dict[str, str] = {}
+    for p in sorted((Path(workdir) / BAD_NODES).glob("*.json")):
+        try:
+            r = json.loads(p.read_text())
+            out.setdefault(r["node"], f"rank {r['rank']}: {r['reason']}")
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
 
 
 class Heartbeat:
