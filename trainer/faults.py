@@ -1,8 +1,9 @@
 """Fault injection for tests and drills (off unless `pretrain.faults` or EIGHTFOLD_FAULTS asks): a rank
-killed with SIGKILL or hung (SIGSTOP, or asleep before a collective) after step S, a NaN loss at step
-S, a poisoned data window whose loss is multiplied (a loss spike), a checkpoint shard truncated or
-flipped or its manifest removed after commit, and S3 errors (500/503, dropped connections) injected
-into a boto3 client through botocore's event hooks.
+killed with SIGKILL or hung (SIGSTOP, or asleep before a collective) after step S, a rank made
+slower (a straggler: a sleep after every forward), a NaN loss at step S, a poisoned data window whose
+loss is multiplied (a loss spike), a checkpoint shard truncated or flipped or its manifest removed
+after commit, and S3 errors (500/503, dropped connections) injected into a boto3 client through
+botocore's event hooks.
 
 Faults fire only on restart attempt `attempt` (torchrun's TORCHELASTIC_RESTART_COUNT) of launch
 `job_attempt` (the task's retries relaunch the job), so the restarted job shows what recovery does
@@ -59,6 +60,15 @@ class Faults:
             else:
                 while True:  # the peers' next collective times out
                     time.sleep(3600)
+
+    def slow_down(self, model) -> None:
+        """Make this rank a straggler when `slow_rank` names it: a sleep after every forward of the root
+        module, inside the forward-to-backward window trainer/stragglers.py times (a slower device)."""
+        c = self.cfg
+        if not self.armed or c.slow_rank != self.rank:
+            return
+        self._say(f"is a straggler: sleeps {c.slow_s}s after each forward")
+        model.register_forward_hook(lambda module, args, output: time.sleep(c.slow_s))
 
     def loss_factor(self, step: int, sample_start: int) -> float | None:
         """Multiplier for the loss of the step starting at global sample `sample_start`, or None.

@@ -44,6 +44,7 @@ from .parallel.fsdp import skip_grad_sync
 from .parallel.mesh import pick_device
 from .parallel.zero1 import DistributedOptimizer, build_parallel_optimizer
 from .recovery import Recovery, attempt_store
+from .stragglers import Stragglers
 
 
 class Objective(Protocol):
@@ -264,6 +265,8 @@ class Trainer:
         self.peak_flops = t.peak_flops or measure_peak_flops(self.device, dtype)
         # Pre-flight, checkpoints (resume: latest), spike guard, faults: trainer/recovery.py
         self.recovery = Recovery(self)
+        self.recovery.faults.slow_down(unwrap(self.model))  # a straggler drill (trainer/faults.py), when asked
+        self.stragglers = Stragglers(unwrap(self.model), self.device, enabled=t.straggler_detection)
 
     def run(self) -> JobResult:
         t = self.train_cfg
@@ -283,7 +286,8 @@ class Trainer:
                 if logged and self.activations is not None:
                     self.activations.start()
                 t0 = time.perf_counter()
-                with self.comm.count():  # collectives per mesh dimension (parallel/comm_accounting.py)
+                # collectives per mesh dimension (parallel/comm_accounting.py); this rank's compute time
+                with self.comm.count(), self.stragglers.step():
                     res = train_step(self.model, self.optimizer, micro, self.objective, t, self.step, self.device,
                                      self.dp_group,
                                      before_update=self.recovery.before_update if t.spike.enabled else None)
@@ -301,7 +305,7 @@ class Trainer:
                     "lr": res.lr * (self.recovery.lr_scale if t.spike.enabled else 1.0), "tokens_per_s": tokens_per_s,
                     "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
                     "peak_memory_gb": peak_memory_gb(self.device), "epoch": self.loader.epoch, **res.moe,
-                    **self.comm.metrics,
+                    **self.comm.metrics, **self.stragglers.exchange(logged),  # every rank: a collective
                 }
                 if self.cfg.model.z_loss > 0:
                     last["z_loss"] = res.z_loss

@@ -19,6 +19,8 @@ class FaultsConfig(Section):
     hang_rank: int | None = Field(None, ge=0, description="this rank hangs ...")
     hang_step: int | None = Field(None, ge=1, description="... after completing this many steps")
     hang_mode: Literal["stop", "sleep"] = Field("stop", description="SIGSTOP itself, or sleep before the next collective")
+    slow_rank: int | None = Field(None, ge=0, description="this rank is a straggler: sleeps after each forward")
+    slow_s: float = Field(0.1, gt=0, description="seconds the slow rank sleeps after each forward of the model")
     nan_step: int | None = Field(None, ge=0, description="the loss of this step (0-based) becomes NaN")
     poison_step: int | None = Field(None, ge=0, description="first step (0-based, in the original data order) of a poisoned window")
     poison_steps: int = Field(1, ge=1, description="length of the poisoned window in steps")

@@ -56,6 +56,10 @@ class TrainConfig(Section):
     log_every: int = Field(1, ge=1)
     activation_stats: bool = Field(True, description="per-layer RMS and absmax of the residual stream at every "
                                    "logged step (act_rms/layer_NN, act_absmax/layer_NN; trainer/activation_stats.py)")
+    straggler_detection: bool = Field(False, description="each rank times its forward-to-backward compute; at logged "
+                                      "steps rank 0 logs straggler/slowest_rank, compute_s_max, compute_s_median, "
+                                      "ratio (trainer/stragglers.py); off on one process. Off by default: ~1.5% of "
+                                      "a tiny CPU step (+ a 0.3 ms all-reduce per logged step), ~0 on a real one")
     eval_every: int = Field(0, ge=0, description="validation loss every N steps (0 = only at the end)")
     eval_batches: int = Field(4, ge=1)
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; None = measured")

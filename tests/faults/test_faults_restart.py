@@ -3,12 +3,16 @@ the group; torchrun's restart (pretrain.max_restarts through the local launcher)
 latest committed checkpoint with no manual step, and the final weights are bit-identical to an
 uninterrupted run (so DDP's exact resume holds too). Resharding: the dp=2 checkpoint loads onto one
 process and a one-process checkpoint onto dp=2, with weights equal at load and the data position
-carried over by global sample index."""
+carried over by global sample index. Stragglers (trainer/stragglers.py) ride on the same launches:
+the uninterrupted run's ranks are even (ratio < 1.5), and the killed run's rank 1 is also made slow
+before the kill and is reported as the slowest with ratio > 1.5."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -21,17 +25,26 @@ from trainer.checkpoint import step_dir
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = dict(steps=6, checkpoint={"every": 2}, micro_batch_size=2, global_batch_size=8)
+TIMED = dict(STEPS, straggler_detection=True)  # the same jobs with straggler detection (weights unchanged)
 
 
 @pytest.fixture(scope="module")
 def reference(byte_tokens, tmp_path_factory):
     """An uninterrupted dp=2 run: final weights, losses, and its output folder (checkpoints 4 and 6)."""
     tmp = tmp_path_factory.mktemp("reference")
-    spec = job(tmp, byte_tokens, "ref", dp=2, **STEPS)
+    spec = job(tmp, byte_tokens, "ref", dp=2, **TIMED)
     code, log = launch(spec, tmp, 2)
     assert code == 0, log[-4000:]
     res = result(spec)
+    even = straggler_rows(spec)
+    assert len(even) == 6 and statistics.median(r["straggler/ratio"] for r in even) < 1.5, even
     return {"spec": spec, "weights": checkpoint_weights(res.checkpoint, spec.config), "losses": losses(spec)}
+
+
+def straggler_rows(spec) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(spec.output) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.startswith("straggler/") or k in ("step", "restart_s")}
+            for r in rows if "straggler/ratio" in r or "restart_s" in r]
 
 
 def run_with_launcher(spec, tmp: Path, timeout: float = 200) -> tuple[int, str]:
@@ -44,7 +57,9 @@ def run_with_launcher(spec, tmp: Path, timeout: float = 200) -> tuple[int, str]:
 
 
 def test_killed_rank_restarts_from_checkpoint(reference, byte_tokens, tmp_path):
-    spec = job(tmp_path, byte_tokens, "killed", dp=2, max_restarts=1, faults={"kill_rank": 1, "kill_step": 5}, **STEPS)
+    # Rank 1 is also a straggler on the first attempt (a sleep per forward: the weights are unchanged).
+    spec = job(tmp_path, byte_tokens, "killed", dp=2, max_restarts=1,
+               faults={"kill_rank": 1, "kill_step": 5, "slow_rank": 1, "slow_s": 0.1}, **TIMED)
     code, log = run_with_launcher(spec, tmp_path)
     assert code == 0, log[-4000:]
     # Step 2's checkpoint is committed before step 4's save starts; step 4's may still be in flight.
@@ -52,6 +67,11 @@ def test_killed_rank_restarts_from_checkpoint(reference, byte_tokens, tmp_path):
     res = result(spec)
     assert res.status == "completed" and res.steps == 6
     assert 0 < res.metrics["restart_s"] < 120
+    rows = straggler_rows(spec)
+    first = rows[:next(i for i, r in enumerate(rows) if "restart_s" in r)]  # the slowed attempt's steps
+    assert [r["step"] for r in first][:4] == [1, 2, 3, 4]  # (rank 0 may log step 5 before it sees rank 1 die)
+    assert all(r["straggler/slowest_rank"] == 1.0 for r in first), first
+    assert statistics.median(r["straggler/ratio"] for r in first) > 1.5, first
     assert_equal_weights(checkpoint_weights(res.checkpoint, spec.config), reference["weights"])
 
 
