@@ -30,13 +30,13 @@ from infra.config.train import TrainConfig
 from infra.launch.base import endpoint_for, write_result
 from infra.launch.job import JobResult, JobSpec
 
+from .activation_stats import ActivationStats
 from .data import MicroBatch, PackedLoader, split_rows, validation_batches
 from .job_io import OutputFolder, fetch_input
 from .loss import IGNORE_INDEX, HeadLoss, TokenLoss, moe_aux_loss, moe_layers
 from .metrics import MetricsSink, flops_per_token, measure_peak_flops, peak_memory_gb
 from .model import Transformer
 from .model.moe import imbalance
-from .activation_stats import ActivationStats
 from .optim import clip_grad_norm, lr_at, set_lr
 from .parallel import ParallelDims, build_parallel_dims, parallelize
 from .parallel.comm_accounting import StepComm
