@@ -85,6 +85,9 @@ class LifecycleConfig(Section):
                 raise ValueError(f"parallel.ep={p.ep} needs model.moe")
             if m.moe.num_experts % p.ep:
                 raise ValueError(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+        if self.serve.variant != "hf" and self.serve.variant not in self.export.variants:
+            raise ValueError(f"serve.variant={self.serve.variant} is not exported: export.variants = "
+                             f"{self.export.variants}")
         return self
 
     @property

@@ -33,13 +33,34 @@ all optional and off unless configured (`serve.autoscale`, `serve.slo_ttft_ms`, 
   buckets, so an objective on a bucket bound (e.g. 100, 250, 500 ms TTFT; 25, 50, 100 ms TPOT) is
   checked exactly: the alert's condition holds iff over 1% of requests took longer.
   `eightfold bench serve --goodput ttft:MS tpot:MS` measures the same objectives from the client.
+
+What it serves: `serve.variant` picks the export's folder, `hf/` or `quantized/<variant>/` (fp8,
+int8, int4, int4-awq: compressed-tensors safetensors, which vLLM detects from the folder's
+`quantization_config`; the gguf-* files are not vLLM checkpoints and are refused at config load), and
+`serve.kv_cache_dtype` sets `--kv-cache-dtype` (fp8 halves the KV cache, so twice the tokens fit).
+
+Canary rollout (`serve.canary`, off unless configured; seed: roll new checkpoints out as a canary to
+a slice of traffic first): the stable Deployment (the config's name) keeps serving
+`serve.canary.stable_model_uri` ("previous": the newest earlier export artifact), a second
+Deployment `<name>-canary` (same pod template, its own labels, Service and replica count) serves the
+new export, and a Gateway API `HTTPRoute` (gateway.networking.k8s.io/v1) attached to
+`serve.canary.gateway` splits requests between the two Services by weight (`share` in whole
+percent: 0.1 -> 10 canary, 90 stable). That needs a Gateway API implementation in the cluster
+(Envoy Gateway, Istio, Cilium, kgateway, ...) and a Gateway; clients call the Gateway's address
+rather than a Service. Both Deployments answer to the stable served model name, so clients do not
+change, but the canary lists `<name>-canary` first in `--served-model-name`, which vLLM uses as the
+`model_name` label of its metrics: Prometheus (a PodMonitor per Deployment) then compares the two,
+e.g. `histogram_quantile(0.99, sum by (le, model_name) (rate(vllm:time_to_first_token_seconds_bucket[5m])))`
+or error rates from `vllm:request_success_total` by `finished_reason`. Promote by dropping
+`serve.canary` and re-rendering (the stable Deployment then rolls to the new export); roll back by
+deleting the canary's objects. The HPA and SLO alerts stay on the stable Deployment.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +112,31 @@ def _quantity(x: float) -> str:
 
 
 @dataclass
+class Canary:
+    """The new checkpoint on a slice of traffic, beside the stable Deployment (see the docstring)."""
+    model_uri: str
+    share: float
+    """Fraction of requests routed to the canary, whole percent (0.01..0.99)."""
+    replicas: int = 1
+    gateway: str = "inference-gateway"
+    """The Gateway the HTTPRoute attaches to (parentRefs)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.share, (int, float)) and 0 < self.share < 1 and 1 <= round(self.share * 100) <= 99):
+            raise ValueError(f"canary share must be in (0, 1) in whole percent (0.01..0.99), got {self.share!r}")
+        if self.replicas < 1:
+            raise ValueError(f"canary replicas must be >= 1, got {self.replicas}")
+        if not self.model_uri:
+            raise ValueError("canary model_uri is empty")
+
+    @property
+    def weights(self) -> tuple[int, int]:
+        """(stable, canary) HTTPRoute weights out of 100."""
+        canary = round(self.share * 100)
+        return 100 - canary, canary
+
+
+@dataclass
 class VLLMDeployment:
     name: str
     """Deployment/Service name (DNS-1123: lowercase letters, digits, '-')."""
@@ -101,6 +147,8 @@ class VLLMDeployment:
     replicas: int = 1
     image: str = "vllm/vllm-openai:latest"
     served_model_name: str | None = None
+    served_model_aliases: list[str] = field(default_factory=list)
+    """More names the server answers to (the canary answers to the stable name too)."""
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -122,6 +170,9 @@ class VLLMDeployment:
     slo_quantile: float = 0.99
     slo_alert_for: str = "10m"
     """How long the objective must be missed before the alert fires."""
+    canary: Canary | None = None
+    """A second Deployment on `canary.model_uri` taking `canary.share` of requests (an HTTPRoute);
+    `model_uri` is then the stable model."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -143,14 +194,53 @@ class VLLMDeployment:
 
 
 def _model_path(d: VLLMDeployment) -> str:
-    return "/models/hf" if d.model_uri.startswith("s3://") else d.model_uri
+    """Where the init container puts an s3:// model in the pod: /models/<last folder name>
+    (`.../hf` -> /models/hf, `.../quantized/int4` -> /models/int4)."""
+    if not d.model_uri.startswith("s3://"):
+        return d.model_uri
+    leaf = re.sub(r"[^A-Za-z0-9._-]+", "-", d.model_uri.rstrip("/").rsplit("/", 1)[-1]) or "model"
+    return f"/models/{leaf}"
+
+
+def canary_deployment(d: VLLMDeployment) -> VLLMDeployment:
+    """The canary: the stable's pod template on the canary's model, its own name (so its own labels,
+    selector and Service), its replica count; it answers to the stable's model name too, and reports
+    metrics under its own."""
+    c = d.canary
+    assert c is not None
+    name = f"{d.name}-canary"
+    return replace(d, name=name, model_uri=c.model_uri, replicas=c.replicas, served_model_name=name,
+                   served_model_aliases=[d.served_model_name or d.name, *d.served_model_aliases],
+                   autoscaling=None, slo_ttft_ms=None, slo_tpot_ms=None, canary=None)
+
+
+def render_http_route(d: VLLMDeployment) -> dict[str, Any]:
+    """Gateway API weighted split between the stable and the canary Services (weights out of 100)."""
+    c = d.canary
+    assert c is not None
+    stable_w, canary_w = c.weights
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": _meta(d, d.name),
+            "spec": {"parentRefs": [{"name": c.gateway}],
+                     "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                                "backendRefs": [{"name": d.name, "port": d.port, "weight": stable_w},
+                                                {"name": f"{d.name}-canary", "port": d.port, "weight": canary_w}]}]}}
 
 
 def render_manifests(d: VLLMDeployment) -> list[dict[str, Any]]:
+    """The stable Deployment and Service (+ PodMonitor, HPA, PrometheusRule as configured); with a
+    canary also its Deployment, Service, PodMonitor and the HTTPRoute splitting traffic."""
+    out = _render_one(d)
+    if d.canary:
+        canary = canary_deployment(d)
+        out += [*_render_one(canary), render_pod_monitor(canary), render_http_route(d)]
+    return out
+
+
+def _render_one(d: VLLMDeployment) -> list[dict[str, Any]]:
     labels = {"app.kubernetes.io/name": d.name, "app.kubernetes.io/component": "vllm-server"}
     args = ["--model", _model_path(d), "--host", "0.0.0.0", "--port", str(d.port),
             "--tensor-parallel-size", str(d.tensor_parallel_size),
-            "--served-model-name", d.served_model_name or d.name,
+            "--served-model-name", d.served_model_name or d.name, *d.served_model_aliases,
             "--gpu-memory-utilization", str(d.gpu_memory_utilization),
             "--kv-cache-dtype", d.kv_cache_dtype]
     if d.enable_prefix_caching:
@@ -175,7 +265,7 @@ def render_manifests(d: VLLMDeployment) -> list[dict[str, Any]]:
     }
     init = []
     if d.model_uri.startswith("s3://"):
-        cmd = ["aws", "s3", "sync", d.model_uri.rstrip("/") + "/", "/models/hf/"]
+        cmd = ["aws", "s3", "sync", d.model_uri.rstrip("/") + "/", _model_path(d) + "/"]
         if d.s3_endpoint_url:
             cmd += ["--endpoint-url", d.s3_endpoint_url]
         init_c: dict[str, Any] = {"name": "fetch-checkpoint", "image": "amazon/aws-cli:latest", "command": cmd,
@@ -210,7 +300,7 @@ def render_manifests(d: VLLMDeployment) -> list[dict[str, Any]]:
         "spec": {"selector": labels, "ports": [{"name": "http", "port": d.port, "targetPort": "http"}]},
     }
     out = [deployment, service]
-    if d.autoscaling or d.slo_ttft_ms or d.slo_tpot_ms:
+    if d.autoscaling or d.slo_ttft_ms or d.slo_tpot_ms or d.canary:  # a canary is judged on its metrics
         out.append(render_pod_monitor(d))
     if d.autoscaling:
         out.append(render_hpa(d))
@@ -343,15 +433,27 @@ def write_manifests(d: VLLMDeployment, out_dir) -> dict[str, Path]:
     return files
 
 
-def from_lifecycle_config(cfg, model_uri: str, **overrides) -> VLLMDeployment:
+def from_lifecycle_config(cfg, model_uri: str, stable_model_uri: str | None = None, **overrides) -> VLLMDeployment:
     """Tensor parallel size from the config's `parallel.tp` (the layout the model was trained with
     fits its heads: n_heads and n_kv_heads divide by it, as vLLM requires); autoscaling and the
-    SLO alerts from `serve.autoscale`, `serve.slo_ttft_ms`, `serve.slo_tpot_ms`."""
+    SLO alerts from `serve.autoscale`, `serve.slo_ttft_ms`, `serve.slo_tpot_ms`; `--kv-cache-dtype`
+    from `serve.kv_cache_dtype`. `model_uri` is the export's folder being deployed (the caller picks
+    `serve.variant`'s). With `serve.canary` it becomes the canary and the stable Deployment serves
+    `stable_model_uri` (given, or `serve.canary.stable_model_uri` unless that is "previous", which
+    only the caller can resolve)."""
     name = re.sub(r"[^a-z0-9-]+", "-", cfg.name.lower()).strip("-") or "eightfold"
     sc = cfg.serve
     kw = {"name": name, "model_uri": model_uri, "tensor_parallel_size": cfg.parallel.tp,
           "max_model_len": cfg.model.max_seq_len, "s3_endpoint_url": cfg.infra.s3_endpoint_url,
           "autoscaling": Autoscaling(**sc.autoscale.model_dump()) if sc.autoscale else None,
-          "slo_ttft_ms": sc.slo_ttft_ms, "slo_tpot_ms": sc.slo_tpot_ms}
+          "slo_ttft_ms": sc.slo_ttft_ms, "slo_tpot_ms": sc.slo_tpot_ms, "kv_cache_dtype": sc.kv_cache_dtype}
+    if sc.canary:
+        stable = stable_model_uri or (None if sc.canary.stable_model_uri == "previous" else sc.canary.stable_model_uri)
+        if not stable:
+            raise ValueError("serve.canary.stable_model_uri is 'previous': resolve it to the previous export's URI "
+                             "(stable_model_uri=...) before rendering")
+        kw["model_uri"] = stable
+        kw["canary"] = Canary(model_uri=model_uri, share=sc.canary.share, replicas=sc.canary.replicas,
+                              gateway=sc.canary.gateway)
     kw.update(overrides)
     return VLLMDeployment(**kw)

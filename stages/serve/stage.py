@@ -6,6 +6,14 @@ with `serve.slo_ttft_ms`/`slo_tpot_ms` p99 alerts) and `serve.json` (the local c
 capacity, the smoke result), after a short load test through the real server (`serve:` in config)
 whose latencies, and goodput against those objectives, land in MLflow and the report.
 
+`serve.variant` picks what is deployed and load-tested: `hf/` or the export's `quantized/<variant>/`
+(the engine loads the compressed-tensors folders itself), with the engine's FP8 KV cache when
+`serve.kv_cache_dtype` is fp8, as vllm.yaml's `--kv-cache-dtype`. The smoke test's comparison with
+transformers stays on the unquantized `hf/` (a quantized variant is not meant to match it token for
+token; the export stage already bounds its loss). With `serve.canary`, vllm.yaml deploys this export
+as the canary beside the stable model ("previous": the newest earlier export artifact, resolved with
+`previous_export_uri`). `serve.json` records which variant was load-tested and what was deployed.
+
 `eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`."""
 
 from __future__ import annotations
@@ -25,6 +33,39 @@ def hf_dir(export_dir: Path) -> Path:
         if (cand / "config.json").exists():
             return cand
     raise FileNotFoundError(f"no Hugging Face checkpoint (config.json) in {export_dir} or {export_dir / 'hf'}")
+
+
+def variant_dir(export_dir: Path, variant: str) -> Path:
+    """The folder `serve.variant` names: the HF checkpoint for "hf", else `quantized/<variant>/`."""
+    if variant == "hf":
+        return hf_dir(export_dir)
+    folder = export_dir / "quantized" / variant
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"serve.variant={variant}: no {folder}/config.json in the export (is {variant!r} "
+                                f"in export.variants of the run that made it?)")
+    return folder
+
+
+def variant_path(variant: str) -> str:
+    return "hf" if variant == "hf" else f"quantized/{variant}"
+
+
+def previous_export_uri(store, experiment: str, current_uri: str, variant: str, stage: str = "export") -> str:
+    """The stable model for a canary: `variant`'s folder in the newest committed export artifact older
+    than `current_uri` (the one being rolled out); named errors when there is none or it lacks the variant."""
+    from infra.artifacts import list_artifacts
+
+    arts = [a for a in list_artifacts(store, experiment, stage) if a.stage == stage]  # newest first
+    current = next((a for a in arts if a.uri.rstrip("/") == current_uri.rstrip("/")), None)
+    older = [a for a in arts if a is not current and (current is None or a.created < current.created)]
+    if not older:
+        raise FileNotFoundError(f"serve.canary.stable_model_uri is 'previous' but experiment {experiment!r} has no "
+                                f"{stage} artifact older than {current_uri}: name the stable model's URI instead")
+    prev, folder = older[0], variant_path(variant)
+    if f"{folder}/config.json" not in prev.files:
+        raise FileNotFoundError(f"serve.canary.stable_model_uri is 'previous' ({prev.uri}), which has no {folder}/ "
+                                f"(serve.variant={variant}): name the stable model's URI instead")
+    return f"{prev.uri.rstrip('/')}/{folder}"
 
 
 def latest_export_dir(workspace, stage: str = "export") -> Path:
@@ -58,9 +99,10 @@ def smoke_test(model_dir: Path, max_tokens: int = 16) -> dict[str, Any]:
             "kv_bytes_per_token": engine.kv_bytes_per_token}
 
 
-def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
+def load_test(model_dir: Path, sc, seed: int, tokenizer_dir: Path | None = None) -> dict[str, Any]:
     """`sc.load_requests` requests at `sc.load_concurrency` through the real server in its own process
-    (the figures a user of `eightfold serve` sees), stopped whatever happens."""
+    (the figures a user of `eightfold serve` sees), on `sc.kv_cache_dtype`'s KV cache, stopped whatever
+    happens. Prompts come from `tokenizer_dir` (default: the model's folder)."""
     import asyncio
 
     import httpx
@@ -68,13 +110,14 @@ def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
 
     from .bench import make_requests, run_load, start_server_process, summarize
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or model_dir))
     context = int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 2048))
     # the longest request (both lengths +25%) must fit the model's context: shrink both alike if not
     fit = min(1.0, (context - 2) / (1.25 * (sc.load_input_len + sc.load_output_len)))
     input_len, output_len = max(1, int(sc.load_input_len * fit)), max(1, int(sc.load_output_len * fit))
     reqs = make_requests(tokenizer, sc.load_requests, input_len, output_len, 0.25, seed)
-    proc, url = start_server_process(str(model_dir), sc.threads)
+    kv = {"kv_cache_dtype": sc.kv_cache_dtype} if sc.kv_cache_dtype != "auto" else {}
+    proc, url = start_server_process(str(model_dir), sc.threads, **kv)
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
@@ -90,7 +133,8 @@ def load_test(model_dir: Path, sc, seed: int) -> dict[str, Any]:
     figures = summarize(timings, duration, slos)
     if figures["failed"]:
         raise RuntimeError(f"serve load test: {figures['failed']} of {len(reqs)} requests failed: {figures['errors']}")
-    return {"requests": len(reqs), "concurrency": sc.load_concurrency, "input_len": input_len,
+    return {"model_dir": str(model_dir), "kv_cache_dtype": sc.kv_cache_dtype,
+            "requests": len(reqs), "concurrency": sc.load_concurrency, "input_len": input_len,
             "output_len": output_len, **figures}
 
 
@@ -100,19 +144,40 @@ def run(ctx) -> dict[str, Any]:
     if export is None:
         raise KeyError("the serve stage needs the 'export' artifact as input")
     model_dir = hf_dir(Path(export))
-    smoke = smoke_test(model_dir)
+    sc = ctx.cfg.serve
+    # what vllm.yaml deploys and the load test serves, and a canary's stable model: resolved first, so
+    # a missing variant or previous export fails before the checks run
+    served_dir = variant_dir(Path(export), sc.variant)
+    uri = ctx.input_uris.get("export", str(export)).rstrip("/")
+    if sc.variant != "hf":
+        model_uri = f"{uri}/{variant_path(sc.variant)}"
+    else:
+        model_uri = uri + "/hf" if model_dir.name == "hf" else uri
+    stable_uri = None
+    if sc.canary and sc.canary.stable_model_uri == "previous":
+        ws = ctx.workspace
+        stable_uri = previous_export_uri(ws.store, ws.experiment, uri, sc.variant)
+    smoke = smoke_test(model_dir)  # the unquantized checkpoint against transformers
     if not smoke["matches_hf"]:
         raise RuntimeError(f"the engine and transformers disagree on {model_dir}: {smoke}")
-    uri = ctx.input_uris.get("export", str(export)).rstrip("/")
-    model_uri = uri + "/hf" if model_dir.name == "hf" else uri
     out = Path(ctx.out_dir)
     # vllm.yaml; with serve.autoscale also prometheus-adapter.yaml (the HPA's metrics, see k8s.py)
-    manifests = write_manifests(from_lifecycle_config(ctx.cfg, model_uri), out)
-    sc = ctx.cfg.serve
-    load = load_test(model_dir, sc, ctx.cfg.seed) if sc.load_requests else None
-    card = {"model_dir": str(model_dir), "model_uri": model_uri, "smoke": smoke, "load": load,
-            "serve_locally": f"eightfold serve {model_dir}", "kubernetes": "kubectl apply -f vllm.yaml",
-            "manifests": sorted(manifests)}
+    deployment = from_lifecycle_config(ctx.cfg, model_uri, stable_model_uri=stable_uri)
+    manifests = write_manifests(deployment, out)
+    load = load_test(served_dir, sc, ctx.cfg.seed, tokenizer_dir=model_dir) if sc.load_requests else None
+    deployed: dict[str, Any] = {"variant": sc.variant, "model_uri": model_uri, "kv_cache_dtype": sc.kv_cache_dtype}
+    if deployment.canary:
+        stable_w, canary_w = deployment.canary.weights
+        deployed.update(rollout="canary", stable_model_uri=deployment.model_uri,
+                        weights={"stable": stable_w, "canary": canary_w}, gateway=deployment.canary.gateway)
+    card = {"model_dir": str(model_dir), "model_uri": model_uri, "variant": sc.variant,
+            "smoke_on": "hf (transformers reference)", "smoke": smoke,
+            "load_tested": {"variant": sc.variant, "model_dir": str(served_dir), "kv_cache_dtype": sc.kv_cache_dtype}
+            if load else None,
+            "load": load, "deployed": deployed,
+            "serve_locally": f"eightfold serve {served_dir}"
+                             + (" --kv-cache-dtype fp8" if sc.kv_cache_dtype == "fp8" else ""),
+            "kubernetes": "kubectl apply -f vllm.yaml", "manifests": sorted(manifests)}
     (out / "serve.json").write_text(json.dumps(card, indent=2))
     figures: dict[str, Any] = {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],
                                "manifest": str(out / "vllm.yaml")}

@@ -52,24 +52,60 @@ def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_di
     from infra.config import load_config
     from stages.serve.stage import run
 
+    from safetensors.torch import load_file, save_file
+
+    from infra.artifacts import commit_artifact
+    from infra.store import FileStore
+    from stages.export.quantize import quantization_config, quantize_state_dict
+
     export = tmp_path / "export"
     (export / "hf").mkdir(parents=True)
     for f in tiny_hf_model_dir.iterdir():
         (export / "hf" / f.name).write_bytes(f.read_bytes())
+    # the export's INT8 variant (compressed-tensors, as the export stage writes it), which serve.variant picks
+    int8 = export / "quantized" / "int8"
+    int8.mkdir(parents=True)
+    hf = {k: v for f in sorted(tiny_hf_model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    save_file(quantize_state_dict(hf, "int8"), int8 / "model.safetensors")
+    conf = json.loads((tiny_hf_model_dir / "config.json").read_text())
+    (int8 / "config.json").write_text(json.dumps({**conf, "quantization_config": quantization_config("int8")}))
+    for f in tiny_hf_model_dir.glob("tokenizer*"):  # the export copies the tokenizer beside every variant
+        (int8 / f.name).write_bytes(f.read_bytes())
     load = ["serve.load_requests=8", "serve.load_concurrency=4", "serve.load_input_len=16", "serve.load_output_len=8",
-            "serve.slo_ttft_ms=600000", "serve.slo_tpot_ms=0.001", "serve.autoscale.max_replicas=3"]
+            "serve.slo_ttft_ms=600000", "serve.slo_tpot_ms=0.001", "serve.autoscale.max_replicas=3",
+            "serve.variant=int8", "serve.kv_cache_dtype=fp8", "serve.canary.share=0.25",
+            "serve.canary.stable_model_uri=previous"]
+    # committed export artifacts: an older one (the canary's stable model) and this one
+    store = FileStore(tmp_path / "store")
+    older = tmp_path / "older"
+    (older / "quantized" / "int8").mkdir(parents=True)
+    (older / "quantized" / "int8" / "config.json").write_text("{}")
+    previous = commit_artifact(store, "exp", "export", "a" * 16, older, config={})
+    current = commit_artifact(store, "exp", "export", "b" * 16, export, config={})
     ctx = SimpleNamespace(cfg=load_config("configs/tiny.yaml", load), inputs={"export": export},
-                          input_uris={"export": "s3://bucket/exp/export/fp"}, out_dir=tmp_path / "out",
-                          log_metrics=lambda *a, **k: None)
+                          input_uris={"export": current.uri}, out_dir=tmp_path / "out",
+                          workspace=SimpleNamespace(store=store, experiment="exp"), log_metrics=lambda *a, **k: None)
     figures = run(ctx)
-    assert figures["matches_hf"] is True
+    assert figures["matches_hf"] is True  # the smoke test compares the unquantized hf/ with transformers
     card = json.loads((tmp_path / "out" / "serve.json").read_text())
-    assert card["model_uri"] == "s3://bucket/exp/export/fp/hf"
+    assert card["smoke"]["matches_hf"] and card["model_dir"] == str(export / "hf")
+    # the variant is what was load-tested (on the FP8 KV cache) and what vllm.yaml deploys, as the canary
+    # beside the previous export's int8
+    assert card["model_uri"] == card["deployed"]["model_uri"] == current.uri.rstrip("/") + "/quantized/int8"
+    assert card["deployed"]["stable_model_uri"] == previous.uri.rstrip("/") + "/quantized/int8"
+    assert card["deployed"]["weights"] == {"stable": 75, "canary": 25}
+    assert card["load_tested"] == {"variant": "int8", "model_dir": str(int8), "kv_cache_dtype": "fp8"}
+    assert card["load"]["model_dir"] == str(int8) and card["deployed"]["kv_cache_dtype"] == "fp8"
     # the load test went through the real server: every request answered, latencies measured
     assert card["load"]["completed"] == 8 and card["load"]["failed"] == 0
     assert 0 < figures["ttft_ms_median"] <= figures["e2e_ms_median"] and figures["output_tokens_per_s"] > 0
-    dep = next(yaml.safe_load_all((tmp_path / "out" / "vllm.yaml").read_text()))
-    assert dep["kind"] == "Deployment"
+    manifests = yaml.safe_load_all((tmp_path / "out" / "vllm.yaml").read_text())
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in manifests}
+    args = docs[("Deployment", "tiny-canary")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert args[args.index("--model") + 1] == card["model_uri"]  # a path in the pod: not s3://, no init copy
+    route = docs[("HTTPRoute", "tiny")]["spec"]["rules"][0]["backendRefs"]
+    assert {r["name"]: r["weight"] for r in route} == {"tiny": 75, "tiny-canary": 25}
     # the configured objectives: every request meets a 10-minute TTFT, none a 1-microsecond TPOT
     assert card["load"]["slo_met_share"] == {"ttft": 1.0, "tpot": 0.0} and figures["request_goodput"] == 0.0
     assert card["manifests"] == ["prometheus-adapter.yaml", "vllm.yaml"]  # serve.autoscale is set

@@ -154,3 +154,127 @@ def test_bad_autoscaling_and_slo_settings_are_named():
         load_config("configs/tiny.yaml", ["serve.slo_ttft_ms=-1"])
     with pytest.raises(ConfigError, match="serve.autoscale.target_kv_cache_usage = 2"):
         load_config("configs/tiny.yaml", ["serve.autoscale.target_kv_cache_usage=2"])
+
+
+def _canary_config(*more):
+    from infra.config import load_config
+
+    return load_config("configs/seed-1b.yaml", ["serve.autoscale=null", "serve.variant=int4",
+                                                 "serve.kv_cache_dtype=fp8", "serve.canary.share=0.1", *more])
+
+
+def test_variant_uri_and_kv_cache_dtype_reach_the_container():
+    from infra.config import load_config
+
+    cfg = load_config("configs/tiny.yaml", ["serve.variant=int8", "serve.kv_cache_dtype=fp8"])
+    d = from_lifecycle_config(cfg, "s3://artifacts/tiny/export/abc123/quantized/int8")
+    dep = _by_kind(render_yaml(d))["Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"  # from serve.kv_cache_dtype, no override
+    # the init container syncs the variant's folder to where --model points
+    sync = pod["initContainers"][0]["command"]
+    assert sync[3:5] == ["s3://artifacts/tiny/export/abc123/quantized/int8/", "/models/int8/"]
+    assert args[args.index("--model") + 1] == "/models/int8"
+    # the default stays the unquantized hf/ and the model's own KV dtype
+    d0 = from_lifecycle_config(load_config("configs/tiny.yaml"), "/data/export/hf")
+    args0 = _by_kind(render_yaml(d0))["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args0[args0.index("--kv-cache-dtype") + 1] == "auto"
+    assert args0[args0.index("--model") + 1] == "/data/export/hf"
+
+
+def test_canary_renders_two_deployments_and_a_weighted_http_route():
+    from kubernetes.client import ApiClient
+
+    cfg = _canary_config("serve.canary.stable_model_uri=s3://a/seed/export/old/quantized/int4",
+                         "serve.canary.replicas=2", "serve.canary.gateway=llm-gw")
+    d = from_lifecycle_config(cfg, "s3://a/seed/export/new/quantized/int4", namespace="llm")
+    docs = list(yaml.safe_load_all(render_yaml(d)))
+    by = {(x["kind"], x["metadata"]["name"]): x for x in docs}
+    assert len(by) == len(docs)
+    name = d.name
+    stable, canary = by[("Deployment", name)], by[("Deployment", f"{name}-canary")]
+    s_svc, c_svc = by[("Service", name)], by[("Service", f"{name}-canary")]
+    api = ApiClient()
+    for obj, kind in ((stable, "V1Deployment"), (canary, "V1Deployment"), (s_svc, "V1Service"), (c_svc, "V1Service")):
+        assert api.sanitize_for_serialization(api._ApiClient__deserialize(obj, kind)) == obj
+    # the new export is the canary, the stable keeps the named model; each Service selects only its own pods
+    def args(dep):
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    def synced(dep):
+        return dep["spec"]["template"]["spec"]["initContainers"][0]["command"][3]
+
+    assert synced(canary) == "s3://a/seed/export/new/quantized/int4/"
+    assert synced(stable) == "s3://a/seed/export/old/quantized/int4/"
+    assert canary["spec"]["replicas"] == 2 and stable["spec"]["replicas"] == 1
+    assert c_svc["spec"]["selector"] == canary["spec"]["template"]["metadata"]["labels"] != s_svc["spec"]["selector"]
+    assert s_svc["spec"]["selector"] == stable["spec"]["template"]["metadata"]["labels"]
+    # same pod template apart from name, model and labels: the same flags and GPUs
+    a_s, a_c = args(stable), args(canary)
+    assert a_c[a_c.index("--kv-cache-dtype") + 1] == a_s[a_s.index("--kv-cache-dtype") + 1] == "fp8"
+    assert a_c[a_c.index("--tensor-parallel-size") + 1] == a_s[a_s.index("--tensor-parallel-size") + 1]
+    # the canary answers to the stable's model name, and its metrics carry its own (the first)
+    i = a_c.index("--served-model-name")
+    assert a_c[i + 1:i + 3] == [f"{name}-canary", a_s[a_s.index("--served-model-name") + 1]]
+    # both are scraped, so Prometheus can compare them
+    assert by[("PodMonitor", f"{name}-canary")]["spec"]["selector"]["matchLabels"] == c_svc["spec"]["selector"]
+    assert by[("PodMonitor", name)]["spec"]["selector"]["matchLabels"] == s_svc["spec"]["selector"]
+    # the Gateway API split: 10 of 100 to the canary's Service, 90 to the stable's
+    route = by[("HTTPRoute", name)]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1" and route["metadata"]["namespace"] == "llm"
+    assert route["spec"]["parentRefs"] == [{"name": "llm-gw"}]
+    refs = {r["name"]: (r["weight"], r["port"]) for r in route["spec"]["rules"][0]["backendRefs"]}
+    port = s_svc["spec"]["ports"][0]["port"]
+    assert refs == {s_svc["metadata"]["name"]: (90, port), c_svc["metadata"]["name"]: (10, port)}
+    # an odd share rounds to whole percent and the weights still sum to 100
+    from stages.serve.k8s import Canary
+
+    assert Canary(model_uri="/m", share=0.333).weights == (67, 33)
+
+
+def test_bad_variant_and_canary_settings_are_config_errors_naming_the_field():
+    from infra.config import ConfigError, load_config
+    from stages.serve.k8s import Canary
+
+    with pytest.raises(ConfigError, match=r"serve.variant = 'gguf-q4_0'.*vLLM serves safetensors"):
+        load_config("configs/tiny.yaml", ["serve.variant=gguf-q4_0"])
+    with pytest.raises(ConfigError, match=r"serve.variant=int4-awq is not exported: export.variants = \['fp8'\]"):
+        load_config("configs/tiny.yaml", ["serve.variant=int4-awq", "export.variants=[fp8]"])
+    with pytest.raises(ConfigError, match=r"serve.kv_cache_dtype = 'int8'"):
+        load_config("configs/tiny.yaml", ["serve.kv_cache_dtype=int8"])
+    for share in ("0", "1", "1.5", "0.001"):
+        with pytest.raises(ConfigError, match=rf"serve.canary.share = {share}"):
+            load_config("configs/tiny.yaml", [f"serve.canary.share={share}", "serve.canary.stable_model_uri=/m"])
+    with pytest.raises(ConfigError, match=r"serve.canary.stable_model_uri: Field required"):
+        load_config("configs/tiny.yaml", ["serve.canary.share=0.1"])
+    with pytest.raises(ValueError, match="canary share must be in"):
+        Canary(model_uri="/m", share=1.0)
+    # "previous" is resolved by the stage (it knows the artifacts); rendering without it is refused
+    with pytest.raises(ValueError, match="stable_model_uri is 'previous'"):
+        from_lifecycle_config(_canary_config("serve.canary.stable_model_uri=previous"), "/m/quantized/int4")
+
+
+def test_previous_export_is_the_stable_model_of_a_canary(tmp_path):
+    from infra.artifacts import commit_artifact
+    from infra.store import FileStore
+    from stages.serve.stage import previous_export_uri
+
+    store = FileStore(tmp_path / "store")
+
+    def export(fp, variants):
+        folder = tmp_path / fp
+        for v in ["hf", *(f"quantized/{v}" for v in variants)]:
+            (folder / v).mkdir(parents=True)
+            (folder / v / "config.json").write_text("{}")
+        return commit_artifact(store, "exp", "export", fp, folder, config={})
+
+    with pytest.raises(FileNotFoundError, match="no export artifact older than"):
+        previous_export_uri(store, "exp", export("a" * 16, ["int8"]).uri, "int8")
+    old = store.url(f"exp/export/{'a' * 16}")
+    middle = export("b" * 16, ["int4"])
+    new = export("c" * 16, ["int8"])
+    assert previous_export_uri(store, "exp", new.uri, "hf") == middle.uri.rstrip("/") + "/hf"
+    assert previous_export_uri(store, "exp", middle.uri, "int8") == old.rstrip("/") + "/quantized/int8"
+    with pytest.raises(FileNotFoundError, match=r"has no quantized/int8/"):
+        previous_export_uri(store, "exp", new.uri, "int8")  # the previous one (middle) lacks it
