@@ -19,9 +19,9 @@ from tasks.health import health_task
 from tasks.stage import ArtifactRef, is_committed, resolve_upstream, submit_stage
 
 
-# stages that load the model as a Hugging Face checkpoint (post-training's engine writes one for rollouts
-# and held-out accuracy; the rest read the export)
-NEEDS_HF = ("posttrain-sft", "posttrain-dpo", "posttrain-grpo", "export", "evaluate", "serve")
+# stages that load the model as a Hugging Face checkpoint: every one after pretraining (post-training's
+# engine writes one for rollouts and held-out accuracy; the rest read the export)
+NEEDS_HF = downstream("pretrain") - {"pretrain"}
 
 
 def check_runnable(cfg, selected: list[str]) -> None:

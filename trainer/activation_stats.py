@@ -68,14 +68,14 @@ class ActivationStats:
         self.recording = True
 
     @torch.no_grad()
-    def finish(self, group=None) -> dict[str, float]:
+    def finish(self) -> dict[str, float]:
         """Stop recording; every rank calls this (a collective when distributed) and gets
         {"act_rms/layer_07": ..., "act_absmax/layer_07": ...} for the layers seen anywhere."""
         self.recording = False
         sums, top = self._sums.clone(), self._max.clone()
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(sums)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
         out = {}
         for i in range(self.n_layers):
             sq, n = sums[i].tolist()

@@ -154,18 +154,16 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int
     return out
 
 
-def lm_batch(rows: list[tuple[np.ndarray, ...]], ids: np.ndarray) -> MicroBatch:
+def lm_batch(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], ids: np.ndarray) -> MicroBatch:
     """inputs = row[:-1]; targets = row[1:] where the mask marks a response token, else IGNORE_INDEX;
     documents = the input tokens' document ids when some row holds more than one conversation."""
     tokens = torch.from_numpy(np.stack([rows[i][0] for i in ids]))
     mask = torch.from_numpy(np.stack([rows[i][1] for i in ids]))
     targets = tokens[:, 1:].clone()
     targets[~mask[:, 1:]] = IGNORE_INDEX
-    documents = None
-    if len(rows[ids[0]]) > 2:
-        docs = torch.from_numpy(np.stack([rows[i][2] for i in ids]))[:, :-1]
-        if bool((docs[:, :-1] != docs[:, 1:]).any()):  # a single conversation per row needs only the causal mask
-            documents = docs
+    docs = torch.from_numpy(np.stack([rows[i][2] for i in ids]))[:, :-1]
+    # a single conversation per row needs only the causal mask
+    documents = docs if bool((docs[:, :-1] != docs[:, 1:]).any()) else None
     return MicroBatch(inputs=tokens[:, :-1], targets=targets, rows=np.asarray(ids, dtype=np.int64),
                       documents=documents)
 

@@ -103,6 +103,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         eng = self.engine
+        off_main = threading.current_thread() is not threading.main_thread()  # see the end of the loop
         while True:
             if not eng.has_unfinished():
                 self._wake.clear()
@@ -129,6 +130,6 @@ class AsyncEngine:
             # scheduled. Not in the main thread (`eightfold serve`, the in-process benchmark), where
             # other threads are idle helpers (tqdm's monitor...): the call also yields the CPU, which
             # on a busy machine hands the core to another process for a time slice, every step
-            if threading.current_thread() is not threading.main_thread():
+            if off_main:
                 time.sleep(0)
             await asyncio.sleep(0)  # one turn of the loop: stream these tokens, take new requests

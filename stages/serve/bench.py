@@ -183,40 +183,38 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 the first, end-to-end latency."""
 
 
-def parse_goodput(slos: list[str] | dict[str, float] | None) -> dict[str, float]:
-    """`["ttft:500", "tpot:50"]` (or a dict) -> {"ttft": 500.0, "tpot": 50.0}, objectives in ms.
-    Raises ValueError naming the bad pair: an unknown metric, a repeated one, a value that is not
-    a positive finite number, or a pair not written KEY:MS."""
-    if not slos:
-        return {}
-    pairs = list(slos.items()) if isinstance(slos, dict) else []
-    if not isinstance(slos, dict):
-        for text in slos:
-            key, sep, raw = str(text).partition(":")
-            if not sep or not key.strip() or not raw.strip():
-                raise ValueError(f"--goodput {text!r}: expected KEY:MS pairs such as ttft:500 tpot:50 "
-                                 f"(KEY one of {', '.join(SLO_METRICS)}; MS milliseconds)")
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"--goodput {text!r}: {raw.strip()!r} is not a number of milliseconds") from None
-            pairs.append((key.strip(), value))
+def parse_goodput(slos: list[str] | None) -> dict[str, float]:
+    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0}, objectives in ms. Raises ValueError
+    naming the bad pair: an unknown metric, a repeated one, a value that is not a positive finite
+    number, or a pair not written KEY:MS."""
     out: dict[str, float] = {}
-    for key, value in pairs:
+    for text in slos or []:
+        key, sep, raw = str(text).partition(":")
+        key = key.strip()
+        if not sep or not key or not raw.strip():
+            raise ValueError(f"--goodput {text!r}: expected KEY:MS pairs such as ttft:500 tpot:50 "
+                             f"(KEY one of {', '.join(SLO_METRICS)}; MS milliseconds)")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"--goodput {text!r}: {raw.strip()!r} is not a number of milliseconds") from None
         if key not in SLO_METRICS:
             raise ValueError(f"--goodput: unknown metric {key!r}; allowed: {', '.join(SLO_METRICS)}")
         if key in out:
             raise ValueError(f"--goodput: {key!r} is given twice")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not math.isfinite(value) or value <= 0:
             raise ValueError(f"--goodput {key}:{value}: an objective must be a positive number of milliseconds")
-        out[key] = float(value)
+        out[key] = value
     return out
 
 
+def _tpot(t: RequestTiming) -> float:
+    """Time per output token after the first; 0 for a request of at most one token (vLLM's goodput)."""
+    return (t.e2e - t.ttft) / (t.output_tokens - 1) if t.output_tokens > 1 else 0.0
+
+
 def _slo_values(t: RequestTiming) -> dict[str, float]:
-    # vLLM's benchmark counts a request of at most one output token as TPOT 0 for goodput
-    tpot = (t.e2e - t.ttft) / (t.output_tokens - 1) if t.output_tokens > 1 else 0.0
-    return {"ttft": t.ttft, "tpot": tpot, "e2el": t.e2e}
+    return {"ttft": t.ttft, "tpot": _tpot(t), "e2el": t.e2e}
 
 
 def goodput(timings: list[RequestTiming], duration: float, slos: dict[str, float]) -> dict[str, Any]:
@@ -241,7 +239,7 @@ def summarize(timings: list[RequestTiming], duration: float,
     """The figures `vllm bench serve` prints; with `slos` (from `parse_goodput`), goodput too."""
     ok = [t for t in timings if t.ok]
     out_tokens = sum(t.output_tokens for t in ok)
-    tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in ok if t.output_tokens > 1]
+    tpot = [_tpot(t) for t in ok if t.output_tokens > 1]
     return {
         "completed": len(ok),
         "failed": len(timings) - len(ok),
@@ -417,7 +415,7 @@ def bench_serve_command(
     in_process: bool = True,
     rounds: int = 3,
     serve_speculative: str | None = None,
-    goodput: list[str] | dict[str, float] | None = None,
+    goodput: list[str] | None = None,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -234,13 +235,11 @@ class CompiledPieces:
         dest = torch.arange(S, device=dev).repeat_interleave(Q) * slots.capacity + pos
         prefill_mask = logits_rows = None
         if prompts:  # as decode_slots.run_decodes lays them out
-            doc = torch.repeat_interleave(torch.arange(len(prompts), device=dev), torch.tensor(prompts, device=dev))
-            p_pos = torch.cat([torch.arange(n, device=dev) for n in prompts])
-            visible = (doc[:, None] == doc[None, :]) & (p_pos[None, :] <= p_pos[:, None])
-            prefill_mask = torch.zeros(visible.shape, device=dev).masked_fill(~visible, float("-inf")).to(m.dtype)
-            logits_rows = torch.cat((torch.arange(S * Q, device=dev),
-                                     S * Q + torch.cumsum(torch.tensor(prompts, device=dev), 0) - 1))
-            pos = torch.cat((pos, p_pos))
+            from .decode_slots import prompt_layout
+
+            p_pos, p_mask, rows = prompt_layout(np.asarray(prompts, dtype=np.int64), S * Q)
+            prefill_mask, logits_rows = torch.from_numpy(p_mask).to(dev, m.dtype), torch.from_numpy(rows).to(dev)
+            pos = torch.cat((pos, torch.from_numpy(p_pos).to(dev)))
         ids = torch.zeros(pos.shape[0], dtype=torch.long, device=dev)
         # laid out as decode_slots.dense_group lays it out (strides are guarded too)
         if Q == 1:

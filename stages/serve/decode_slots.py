@@ -145,6 +145,23 @@ def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
+def _within(lens: np.ndarray) -> np.ndarray:
+    """0, 1, .. within each of consecutive runs of these lengths: [2, 3] -> [0, 1, 0, 1, 2]."""
+    ends = np.cumsum(lens)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lens, lens)
+
+
+def prompt_layout(lens: np.ndarray, n_decode: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole prompts of these lengths after `n_decode` decode rows (run_decodes): each prompt token's
+    position, the additive [P, P] mask (causal within a prompt, blocked across prompts) and the rows
+    whose logits are wanted (every decode, then each prompt's last token)."""
+    pos = _within(lens)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+    return pos, mask, np.concatenate((np.arange(n_decode), n_decode + np.cumsum(lens) - 1))
+
+
 def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, group: int,
                 dtype: torch.dtype, dev: torch.device,
                 nq: np.ndarray | None = None) -> tuple[AttentionGroup, DenseStep]:
@@ -199,7 +216,7 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
     mask = np.where(np.arange(ctx)[None, None, :] > qpos[:, :, None], np.float32(-np.inf), np.float32(0.0))
     # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
     mask = _to(np.repeat(mask, group, axis=1), dev).to(dtype)[None]
-    row_pos = np.repeat(pos, nq) + (np.arange(int(nq.sum())) - np.repeat(first - row0, nq))
+    row_pos = np.repeat(pos, nq) + _within(nq)
     step = DenseStep(slots, lo, hi, ctx, row0, _to(np.repeat(sl, nq) * slots.capacity + row_pos, dev))
     g = AttentionGroup(_to(token_index, dev), _to(valid, dev), _to(token_index[valid], dev), None,  # type: ignore[arg-type]
                        mask, None, dense=step)
@@ -222,23 +239,18 @@ def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray
     group = model.shape.num_heads // model.shape.num_kv_heads
     g, step = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
     bs = cache.block_size
-    row_pos = pos if nq is None else np.repeat(pos, nq) + (np.arange(len(tokens)) - np.repeat(np.cumsum(nq) - nq, nq))
+    row_pos = pos if nq is None else np.repeat(pos, nq) + _within(nq)
     if not prompts:
         meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
         return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None)
     lens = np.fromiter((len(ids) for ids, _ in prompts), dtype=np.int64, count=len(prompts))
-    ends = np.cumsum(lens)
-    p_pos = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)  # 0.. within each prompt
+    p_pos, p_mask, logits_rows = prompt_layout(lens, len(tokens))
     p_blk = np.concatenate([np.asarray(blocks, dtype=np.int64)[np.arange(len(ids)) // bs] for ids, blocks in prompts])
-    doc = np.repeat(np.arange(len(prompts)), lens)
-    visible = (doc[:, None] == doc[None, :]) & (p_pos[None, :] <= p_pos[:, None])
-    n = len(tokens)
     meta = AttentionMetadata(_to(np.concatenate((blk * bs + row_pos % bs, p_blk * bs + p_pos % bs)), dev),
                              _to(np.concatenate((row_pos, p_pos)), dev), [g], dense=step,
-                             prefill_mask=_to(np.where(visible, np.float32(0.0), np.float32(-np.inf)), dev).to(model.dtype))
+                             prefill_mask=_to(p_mask, dev).to(model.dtype))
     ids = tokens + [t for p, _ in prompts for t in p]
-    logits_rows = _to(np.concatenate((np.arange(n), n + ends - 1)), dev)
-    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, logits_rows)
+    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, _to(logits_rows, dev))
 
 
 def run_with_slots(

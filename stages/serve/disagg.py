@@ -29,7 +29,7 @@ from typing import AsyncIterator, Sequence
 
 from .async_engine import AsyncEngine
 from .engine import EngineConfig, LLMEngine, RequestOutput
-from .kv_transfer import KVPayload, KVTransferError, export_kv, import_kv, kv_layout
+from .kv_transfer import KVPayload, KVTransferError, export_kv, import_kv, kv_layout, layout_diffs
 from .sampling import SamplingParams
 
 
@@ -61,8 +61,7 @@ class DisaggregatedEngine:
             if not e.engine.kv.enable_prefix_caching:
                 raise ValueError(f"engine {e.model_name}: disaggregation ships K/V through the prefix cache, "
                                  "which must be on (enable_prefix_caching)")
-            lay = kv_layout(e.engine)
-            diffs = [f"{k} {lay[k]!r} != {v!r}" for k, v in ref.items() if lay[k] != v]
+            diffs = layout_diffs(kv_layout(e.engine), ref, e.model_name, self.decode[0].model_name)
             if diffs:
                 raise KVTransferError(f"engine {e.model_name} cannot exchange K/V with {self.decode[0].model_name}: "
                                       + "; ".join(diffs))

@@ -285,18 +285,22 @@ class LLMEngine:
                     request_id: str | None = None, hold_kv: bool = False) -> str:
         """Queue a request. `hold_kv`: when it finishes, keep its full prompt blocks referenced
         (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests)."""
-        params = params or SamplingParams()
+        req = self._new_request(prompt, params or SamplingParams(), request_id or f"req-{next(self._ids)}")
+        self._enqueue(req)
+        if hold_kv:
+            self._kv_hold.add(req.request_id)
+        return req.request_id
+
+    def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> Request:
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, eos_token_id=self.eos_token_id,
-                      generator=make_generator(params, self.model.device))
+        return Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+                       generator=make_generator(params, self.model.device))
+
+    def _enqueue(self, req: Request) -> None:
         self.scheduler.add_request(req)
-        self._detok[rid] = _Detok(params.stop, self._decode)
-        if hold_kv:
-            self._kv_hold.add(rid)
-        self.metrics.prompt_tokens.inc(len(ids), model=self.model_name)
-        return rid
+        self._detok[req.request_id] = _Detok(req.params.stop, self._decode)
+        self.metrics.prompt_tokens.inc(req.num_prompt_tokens, model=self.model_name)
 
     def add_prefilled_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
                               prefilled: PrefilledRequest) -> RequestOutput:
@@ -304,12 +308,9 @@ class LLMEngine:
         engine's prefix cache beforehand, kv_transfer.py) and whose first token(s) it sampled.
         Returns the output handing those tokens out; the request then decodes here like any other
         (its prompt's full blocks are prefix-cache hits, so only the tail is computed again)."""
-        ids = self.encode(prompt_ids)
-        self.check_request(ids, params)
         if not prefilled.output_token_ids:
             raise ValueError("a prefilled request needs the token(s) sampled by the prefill engine")
-        req = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
-                      generator=make_generator(params, self.model.device))
+        req = self._new_request(prompt_ids, params, request_id)
         if prefilled.arrival_time is not None:
             req.arrival_time = prefilled.arrival_time
         if req.generator is not None and prefilled.generator_state is not None:
@@ -320,9 +321,7 @@ class LLMEngine:
             if done:
                 break
         req.logprobs.extend(prefilled.logprobs[:req.num_output_tokens])
-        self.scheduler.add_request(req)
-        self._detok[request_id] = _Detok(params.stop, self._decode)
-        self.metrics.prompt_tokens.inc(len(ids), model=self.model_name)
+        self._enqueue(req)
         # handed out here, as the engine's first output: no TTFT is recorded for it (the prefill
         # engine's output was the first token), later tokens count as inter-token latency
         req.last_emit_time = time.monotonic()

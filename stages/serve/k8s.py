@@ -237,7 +237,7 @@ def render_manifests(d: VLLMDeployment) -> list[dict[str, Any]]:
 
 
 def _render_one(d: VLLMDeployment) -> list[dict[str, Any]]:
-    labels = {"app.kubernetes.io/name": d.name, "app.kubernetes.io/component": "vllm-server"}
+    labels = _labels(d)
     args = ["--model", _model_path(d), "--host", "0.0.0.0", "--port", str(d.port),
             "--tensor-parallel-size", str(d.tensor_parallel_size),
             "--served-model-name", d.served_model_name or d.name, *d.served_model_aliases,
@@ -281,9 +281,7 @@ def _render_one(d: VLLMDeployment) -> list[dict[str, Any]]:
     }
     if init:
         pod_spec["initContainers"] = init
-    meta: dict[str, Any] = {"name": d.name, "labels": labels}
-    if d.namespace:
-        meta["namespace"] = d.namespace
+    meta = _meta(d, d.name)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

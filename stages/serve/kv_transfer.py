@@ -88,11 +88,14 @@ def kv_layout(engine: "LLMEngine") -> dict:
     }
 
 
+def layout_diffs(theirs: dict, mine: dict, their_name: str, my_name: str) -> list[str]:
+    """Every field of `kv_layout` where two layouts differ, named."""
+    return [f"{k} {theirs.get(k)!r} ({their_name}) != {v!r} ({my_name})" for k, v in mine.items() if theirs.get(k) != v]
+
+
 def check_layout(payload_layout: dict, engine: "LLMEngine") -> None:
     """Raise KVTransferError naming every field where the payload and the engine differ."""
-    mine = kv_layout(engine)
-    diffs = [f"{k} {payload_layout.get(k)!r} (payload) != {v!r} (engine {engine.model_name})"
-             for k, v in mine.items() if payload_layout.get(k) != v]
+    diffs = layout_diffs(payload_layout, kv_layout(engine), "payload", f"engine {engine.model_name}")
     if diffs:
         raise KVTransferError("KV payload does not fit this engine: " + "; ".join(diffs))
 
@@ -166,9 +169,9 @@ def read_blocks(engine: "LLMEngine", block_ids: list[int]) -> tuple[torch.Tensor
     return kv, scale
 
 
-def export_kv(engine: "LLMEngine", request_id: str, release: bool = True) -> KVPayload:
+def export_kv(engine: "LLMEngine", request_id: str) -> KVPayload:
     """The payload of a finished request whose blocks the engine held (`add_request(hold_kv=True)`);
-    the held blocks are released afterwards unless `release` is False."""
+    the held blocks are released afterwards."""
     held = engine.held_kv.get(request_id)
     if held is None:
         raise KeyError(f"request {request_id!r} has no K/V held on engine {engine.model_name} "
@@ -191,8 +194,7 @@ def export_kv(engine: "LLMEngine", request_id: str, release: bool = True) -> KVP
         }
         return KVPayload(header, kv, scale, gen)
     finally:
-        if release:
-            engine.release_held_kv(request_id)
+        engine.release_held_kv(request_id)
 
 
 @dataclass

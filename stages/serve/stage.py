@@ -39,7 +39,7 @@ def variant_dir(export_dir: Path, variant: str) -> Path:
     """The folder `serve.variant` names: the HF checkpoint for "hf", else `quantized/<variant>/`."""
     if variant == "hf":
         return hf_dir(export_dir)
-    folder = export_dir / "quantized" / variant
+    folder = export_dir / variant_path(variant)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"serve.variant={variant}: no {folder}/config.json in the export (is {variant!r} "
                                 f"in export.variants of the run that made it?)")

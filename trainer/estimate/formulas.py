@@ -194,11 +194,17 @@ def data_parallel_bytes(params: float, zero: int, n: int, *, grad_bytes: int = 2
     g, w = params * grad_bytes, params * weight_bytes
     if zero == 0:
         return ring_allreduce_bytes(g, n)
+    hsdp = hsdp_allreduce_bytes(params, grad_bytes, n, replicate)
     if zero in (1, 2):
-        return ring_shard_bytes(g, n) + ring_shard_bytes(w, n) + ring_allreduce_bytes(g / n, replicate)
+        return ring_shard_bytes(g, n) + ring_shard_bytes(w, n) + hsdp
     if zero == 3:
-        return 2 * micro_batches * ring_shard_bytes(w, n) + ring_shard_bytes(g, n) + ring_allreduce_bytes(g / n, replicate)
+        return 2 * micro_batches * ring_shard_bytes(w, n) + ring_shard_bytes(g, n) + hsdp
     raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+
+
+def hsdp_allreduce_bytes(params: float, grad_bytes: float, n: int, replicate: int) -> float:
+    """HSDP's share of data-parallel traffic: each rank's gradient shard (1/n) all-reduced across replicas."""
+    return ring_allreduce_bytes(params * grad_bytes / n, replicate)
 
 
 def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> float:

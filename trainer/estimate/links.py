@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .schedule import bubble_fraction
+
 
 def mesh_shape(par) -> dict[str, int]:
     """Sizes of the mesh's axes as the trainer builds them (ZeRO 0/1 replicate over all of dp)."""
-    replicate, shard = (par.dp_replicate, par.dp // par.dp_replicate) if par.zero >= 2 else (par.dp, 1)
-    return {"dp_replicate": replicate, "dp_shard": shard, "pp": par.pp, "cp": par.cp, "tp": par.tp}
+    return {"dp_replicate": par.dp // par.dp_shard, "dp_shard": par.dp_shard, "pp": par.pp, "cp": par.cp, "tp": par.tp}
 
 
 def mesh_groups(par) -> dict[str, np.ndarray]:
@@ -75,7 +76,7 @@ def pipeline_warning(schedule: str, p: int, m: int) -> str | None:
     """The seed's rule of thumb for plain 1F1B: keep m at 4p or more (the bubble is (p-1)/(m+p-1))."""
     if schedule != "1f1b" or p < 2 or m >= 4 * p:
         return None
-    bubble = (p - 1) / (m + p - 1)
+    bubble = bubble_fraction(p, m)
     text = (f"1F1B with m={m} micro-batches on p={p} stages: the bubble is {bubble:.0%} of the step; the seed's rule "
             f"of thumb keeps m at 4p={4 * p} or more (raise the global batch or lower the micro-batch size)")
     if m == 4 and p == 2:

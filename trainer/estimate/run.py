@@ -181,7 +181,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
-        hsdp = (f.ring_allreduce_bytes(st["dense_params"] * per_param["grads"] / dense_shard, par.dp_replicate)
+        hsdp = (f.hsdp_allreduce_bytes(st["dense_params"], per_param["grads"], dense_shard, par.dp_replicate)
                 if par.zero >= 2 else 0.0)
         return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 

@@ -68,9 +68,7 @@ class ServeModel:
         moe = model.moe
         self.moe_layers = sum(1 for x in layers if x["routed"])
         self.expert_bytes = (layers[moe.every - 1]["routed"] / moe.num_experts * wb) if self.moe_layers else 0.0
-        # FLOPs per token of the forward: 2 per multiply-add of every active matmul weight (the embedding is a
-        # lookup; a tied head is a matmul), plus attention: 4 x layers x context x (heads x head size).
-        self.matmul_params = counts["active"] - (0 if model.tie_embeddings else counts["embedding"])
+        self.counts = counts
         self.q_dim = model.n_heads * model.head_size
         self.kv_heads_per_gpu = math.ceil(model.kv_heads / tp)
         kv_bytes = f.KV_DTYPE_BYTES[kv_dtype]
@@ -107,16 +105,19 @@ class ServeModel:
         size = tokens * self.model.dim * 2.0
         return 2 * self.model.n_layers * (f.ring_allreduce_bytes(size, self.tp) / self.link + self.latency)
 
-    def attention_flops(self, context: float) -> float:
-        """Per token attending to `context` positions: QK^T and scores x V, 2 FLOPs per multiply-add each."""
-        return 4 * self.model.n_layers * context * self.q_dim
+    def forward_flops(self, context: float, causal: bool = False) -> float:
+        """Forward FLOPs of one token attending to `context` positions: a third of the training figure
+        (formulas.flops_per_token: 2 per multiply-add of every active matmul weight, plus attention)."""
+        m = self.model
+        return f.flops_per_token(self.counts["active"], self.counts["embedding"], m.tie_embeddings, m.n_layers,
+                                 context, self.q_dim, causal) / 3
 
     def decode_step(self, concurrency: int, context: float) -> dict:
         """One decode step for `concurrency` sequences of average `context` tokens, on one GPU of the replica."""
         b = concurrency
         weights = self.weights_read(b)
         kv = b * context * self.kv_per_token_gpu
-        flops = b * (2 * self.matmul_params + self.attention_flops(context)) / self.tp
+        flops = b * self.forward_flops(context) / self.tp
         roof, bound = f.roofline_time(weights + kv, flops, self.bandwidth, self.peak)
         if bound == "memory":
             bound = "weights" if weights >= kv else "kv_reads"
@@ -129,8 +130,7 @@ class ServeModel:
     def prefill(self, prompt: int) -> dict:
         """TTFT of one prompt on an idle replica: compute at peak x MFU, or reading the weights once,
         whichever is longer, plus the tensor-parallel all-reduces."""
-        attention = f.attention_flops_per_token(self.model.n_layers, prompt, self.q_dim, self.causal_prefill) / 3
-        flops = prompt * (2 * self.matmul_params + attention) / self.tp  # forward only: a third of 12*L*s*q
+        flops = prompt * self.forward_flops(prompt, self.causal_prefill) / self.tp
         compute = flops / (self.peak * self.prefill_mfu)
         weights = self.weights_read(prompt) / self.bandwidth
         comm = self._tp_allreduce_s(prompt)

@@ -208,12 +208,8 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
     parameters this rank owns, full-model names) with `.pipeline` attached."""
     from torch.distributed.pipelining import PipelineStage
 
-    if model.cfg.tie_embeddings:
-        raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head sit on different "
-                         "stages; untie them")
-    if model.cfg.moe is not None and model.cfg.moe.balance == "aux_loss":
-        raise ValueError("model.moe.balance=aux_loss with parallel.pp > 1 is not supported (the auxiliary loss of "
-                         "earlier stages has no path to the schedule's loss); use balance=bias")
+    # tied embeddings, MoE aux-loss balancing and one-chunk schedules with virtual stages are refused
+    # before this runs (infra.config.parallel.unsupported_layout, checked by parallelize)
     pp, pp_rank, pp_group = dims.pp, dims.rank("pp"), dims.group("pp")
     v = parallel.pp_virtual_stages
     counts = chunk_layer_counts(model.cfg, parallel, train.seq_len)
@@ -248,8 +244,6 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
                     z_loss=model.cfg.z_loss, skip_sync=set())
     cls = schedule_class(parallel.pp_schedule)
     multi = parallel.pp_schedule not in ("gpipe", "1f1b")
-    if not multi and v != 1:
-        raise ValueError(f"pp_schedule={parallel.pp_schedule} runs one chunk per rank; pp_virtual_stages={v}")
     pipe.schedule = cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=pipe.loss_fn,
                         scale_grads=False)
     pipe.sequence_shards = shards

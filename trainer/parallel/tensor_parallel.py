@@ -63,15 +63,13 @@ class ReplicateParallel(ParallelStyle):
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """What this plan supports, refused with the reason (config validation checks divisibility)."""
+    """What this plan supports, refused with the reason (config validation checks divisibility; tied
+    embeddings are refused with the other layout rules, infra.config.parallel.unsupported_layout)."""
     if cfg.kv_heads < tp:
         raise ValueError(
             f"tensor parallel tp={tp} with model.n_kv_heads={cfg.kv_heads}: fewer KV heads than tp ranks "
             f"(replicated KV heads) is not implemented; use tp <= n_kv_heads"
         )
-    if cfg.tie_embeddings:
-        raise ValueError("tensor parallel with model.tie_embeddings is not implemented (the embedding is "
-                         "row-split and the LM head column-split: one tensor cannot be both)")
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool) -> nn.Module:
