@@ -280,6 +280,17 @@ def _inline(text: str) -> str:
 # --- the report -----------------------------------------------------------------------------------
 
 
+def _posttrain_row(name: str, m: dict) -> list[str]:
+    def num(key: str, fmt: str) -> str:
+        return format(m[key], fmt) if isinstance(m.get(key), (int, float)) else "-"
+
+    limit = m.get("max_heldout_ppl_ratio")
+    return [name, f"{num('heldout_accuracy_before', '.3f')} -> {num('heldout_accuracy_after', '.3f')}",
+            f"{num('heldout_accuracy_gain', '+.3f')} ({num('heldout_accuracy_gain_se', '.3f')})",
+            f"{num('heldout_ppl_before', '.4g')} -> {num('heldout_ppl_after', '.4g')}",
+            num("heldout_ppl_ratio", ".3f") + (f" (limit {limit})" if limit is not None else "")]
+
+
 def write_report(cfg: LifecycleConfig, refs: dict[str, dict], out_dir: Path | None = None) -> Path:
     """Write report.md + report.html (+ PNGs) for the stages in `refs`; returns the .md path."""
     import time
@@ -320,6 +331,16 @@ def write_report(cfg: LifecycleConfig, refs: dict[str, dict], out_dir: Path | No
                       [[k, step, f"{val:.4f}", f"{min(x for _, x in hist[k]):.4f}"] for k, (step, val) in sorted(last.items())])
         else:
             doc.p("The pretrain artifact has no loss history (no MLflow metrics and no metrics.jsonl).")
+
+    doc.h2("Post-training")
+    steps = [(name, s) for name, s in info.items() if name.startswith("posttrain-") and s.ran]
+    if not steps:
+        doc.p(f"Post-training: {NOT_RUN}.")
+    else:
+        doc.p("Each step's gain on the held-out task (with its paired standard error) and what it cost the language "
+              "model: perplexity on held-out pretraining text, and its ratio to the pretrained model's.")
+        doc.table(["step", "held-out accuracy", "gain (se)", "held-out ppl", "ppl / pretrained"],
+                  [_posttrain_row(name, s.ref.get("summary") or s.manifest.get("summary") or {}) for name, s in steps])
 
     doc.h2("Scaling-law fit")
     abl = info.get("ablations")

@@ -75,9 +75,11 @@ STAGES: dict[str, StageSpec] = {
             StageSpec(
                 f"posttrain-{step}",
                 f"stages.posttrain.stage:run_{step}",
-                (upstream, "tokenizer"),
+                (upstream, "tokenizer", "tokens"),  # tokens: held-out perplexity, SFT's replayed pretraining rows
                 lambda c, step=step: {"seed": c.seed, "model": _dump(c.model), "parallel": _dump(c.parallel),
-                                      "task": _dump(c.posttrain.task), step: _dump(getattr(c.posttrain, step))},
+                                      "task": _dump(c.posttrain.task), step: _dump(getattr(c.posttrain, step)),
+                                      "heldout_ppl_rows": c.posttrain.heldout_ppl_rows,
+                                      "max_heldout_ppl_ratio": c.posttrain.max_heldout_ppl_ratio},
                 trains=True,
                 lifecycle_stage="posttrain",
             )
@@ -88,7 +90,8 @@ STAGES: dict[str, StageSpec] = {
             "stages.export.stage:run",
             # the whole model chain: export.source picks what ships, export.lineage exports the rest for evaluate
             ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo", "tokenizer", "tokens"),
-            lambda c: {"model": _dump(c.model), "export": _dump(c.export)},
+            # posttrain.task: the held-out conversations chat models are checked on
+            lambda c: {"model": _dump(c.model), "export": _dump(c.export), "task": _dump(c.posttrain.task), "seed": c.seed},
             lifecycle_stage="export",
         ),
         StageSpec(

@@ -154,6 +154,35 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int
     return out
 
 
+def replay_rows(split_dir: str | Path, count: int, seq_len: int, seed: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """`count` windows of seq_len + 1 tokens of pretraining text (a packed split, trainer/shards.py), drawn
+    without replacement in a seeded order, each under the loss on every token and as one document (the
+    causal attention pretraining used): the replay rows SFT mixes into its batches so the model keeps
+    modelling the text it was pretrained on (InstructGPT's pretraining mix, Ouyang et al. 2022)."""
+    from .shards import PackedShards
+
+    shards = PackedShards(split_dir)
+    width = seq_len + 1
+    per_row = shards.seq_len + 1
+    if per_row < width:
+        raise ValueError(f"replay: pretraining rows of {per_row} tokens are shorter than seq_len + 1 = {width}")
+    windows = len(shards) * (per_row // width)
+    if count > windows:
+        raise ValueError(f"replay: {count} rows asked, {split_dir} holds {windows} windows of {width} tokens")
+    picks = np.random.default_rng([seed, 7]).permutation(windows)[:count]
+    out = []
+    for w in picks:
+        row, k = divmod(int(w), per_row // width)
+        ids = shards.row(row)[k * width:(k + 1) * width]
+        out.append((ids.astype(np.int64), np.ones(width, dtype=bool), np.zeros(width, dtype=np.int64)))
+    return out
+
+
+def replay_count(sft_rows: int, fraction: float) -> int:
+    """Replay rows that make `fraction` of the mixed item list (so, in expectation, of every batch)."""
+    return round(sft_rows * fraction / (1.0 - fraction)) if fraction > 0 else 0
+
+
 def lm_batch(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], ids: np.ndarray) -> MicroBatch:
     """inputs = row[:-1]; targets = row[1:] where the mask marks a response token, else IGNORE_INDEX;
     documents = the input tokens' document ids when some row holds more than one conversation."""

@@ -76,6 +76,7 @@ class PosttrainJob:
         if section != "posttrain" or step not in STEPS:
             raise ValueError(f"job section {spec.section!r}; expected one of " + ", ".join(f"posttrain.{s}" for s in STEPS))
         self.step_name = step
+        self.replay = 0  # SFT's replayed pretraining rows
         self.sc = getattr(self.cfg.posttrain, step)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device, _ = pick_device(self.cfg.parallel.backend, self.cfg.infra.device)
@@ -110,6 +111,13 @@ class PosttrainJob:
         if step == "sft":
             examples = [pdata.encode_example(self.tok, r) for r in rows]
             packed = pdata.pack(examples, s.seq_len, self.pad_id, packed=s.pack)
+            self.replay = pdata.replay_count(len(packed), s.replay_fraction)
+            if self.replay:
+                if "replay" not in spec.inputs:
+                    raise ValueError(f"job {spec.job_id}: sft.replay_fraction={s.replay_fraction} needs a 'replay' "
+                                     "input (the packed pretraining split)")
+                replay_dir = fetch_input(spec.inputs["replay"], spec.workdir, "replay", ep)
+                packed = packed + pdata.replay_rows(replay_dir, self.replay, s.seq_len, self.seed)
             self.objective = SupervisedFineTuning()
             self.loader = pdata.ItemLoader(packed, global_batch_size=s.global_batch_size,
                                            micro_batch_size=s.micro_batch_size,
@@ -188,7 +196,8 @@ class PosttrainJob:
                            total_steps=s.steps, enabled=self.rank == 0)
         trainable = sum(p.numel() for p in unwrap(self.model).parameters() if p.requires_grad)
         total = sum(p.numel() for p in unwrap(self.model).parameters())
-        sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total})
+        sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total,
+                        "replay_rows": self.replay})
         batches = self._grpo_steps() if self.step_name == "grpo" else iter(self.loader)
         last: dict[str, float] = {}
         status, message = "completed", ""

@@ -73,6 +73,10 @@ class SFTConfig(PosttrainStepConfig):
     warmup_steps: int = Field(10, ge=0)
     num_examples: int = Field(4000, ge=1)
     pack: bool = Field(True, description="pack several conversations per row (the loss mask survives)")
+    replay_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of the training rows that are pretraining text (windows of the tokens "
+        "artifact's train split, loss on every token), mixed into every batch so the model stays the language "
+        "model it was (InstructGPT's pretraining mix); 0 = none")
 
 
 class DPOConfig(PosttrainStepConfig):
@@ -128,6 +132,12 @@ class GRPOConfig(PosttrainStepConfig):
 
 class PosttrainConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
+    heldout_ppl_rows: int = Field(16, ge=1, description="held-out pretraining rows (the tokens artifact's val split) "
+                                  "whose perplexity every step reports before and after")
+    max_heldout_ppl_ratio: float | None = Field(
+        None, ge=1.0, description="a step fails when its model's held-out pretraining perplexity exceeds this many "
+        "times the pretrained model's (seed: post-training \"uses a small fraction of pretraining compute\": it "
+        "should not unlearn the language model); None = reported, not enforced")
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)

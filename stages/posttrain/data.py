@@ -75,6 +75,26 @@ def grpo_rows(examples: list[Example]) -> list[dict]:
     return [{"messages": user(e), "answer": e.answer} for e in examples]
 
 
+def heldout_chat_rows(tokenizer_dir: Path, task: TaskConfig, n_rows: int, width: int, seed: int = 0):
+    """n_rows token rows of `width` tokens of held-out conversations (user prompt, right answer) as the
+    chat template renders them, laid end to end: chat-format text for checking a chat model (the export
+    stage's validation), from problems no step trains on. None when the tokenizer has no chat template."""
+    import torch
+
+    from trainer import posttrain_data as pdata
+
+    try:
+        tok = pdata.load_tokenizer(tokenizer_dir)
+    except (ValueError, OSError):
+        return None
+    stream: list[int] = []
+    problems = heldout(task, seed)
+    while len(stream) < n_rows * width:
+        for e in problems:
+            stream += pdata.encode(tok, pdata.render(tok, sft_rows([e])[0]["messages"]))
+    return torch.tensor(stream[: n_rows * width], dtype=torch.long).view(n_rows, width)
+
+
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,11 +1,13 @@
 """Post-training steps as stage functions. Each step:
   1. loads the upstream model (pretrain's checkpoint, or the previous step's model.safetensors) through
      stages.export.merge (whatever mesh it was saved on),
-  2. scores held-out accuracy before,
+  2. scores held-out accuracy and held-out pretraining perplexity (the tokens artifact's val split) before,
   3. writes its training data (user jsonl, or built in from the task family's train split) into
      data/train.jsonl of its own artifact,
-  4. launches a trainer job (section posttrain.<step>) with the configured launcher, like pretrain,
-  5. scores held-out accuracy after (DPO also preference accuracy before/after) and logs all of it.
+  4. launches a trainer job (section posttrain.<step>) with the configured launcher, like pretrain; SFT
+     mixes `sft.replay_fraction` of pretraining rows into its batches,
+  5. scores both again after (DPO also preference accuracy before/after), logs all of it, and fails when
+     the perplexity rose past `posttrain.max_heldout_ppl_ratio` times the pretrained model's.
 
 Why three registry stages (posttrain-sft -> posttrain-dpo -> posttrain-grpo) rather than one stage
 with sub-steps: each step is then its own content-addressed artifact (changing GRPO's settings re-runs
@@ -30,6 +32,7 @@ from ..export.merge import find_checkpoint, load_full_state_dict
 from ..pretrain import launch_and_wait
 from .accuracy import heldout_accuracy, outcome_bits, paired_change, preference_accuracy
 from .data import builtin_rows, write_jsonl
+from .perplexity import LanguageModelLost, heldout_perplexity, heldout_rows, pretrained_perplexity
 
 UPSTREAM = {"sft": "pretrain", "dpo": "posttrain-sft", "grpo": "posttrain-dpo"}
 
@@ -61,8 +64,8 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     cfg, pc = ctx.cfg, ctx.cfg.posttrain
     sc = getattr(pc, step)
     upstream = UPSTREAM[step]
-    if upstream not in ctx.inputs or "tokenizer" not in ctx.inputs:
-        raise ValueError(f"posttrain-{step} needs inputs {upstream!r} and 'tokenizer'; got {sorted(ctx.inputs)}")
+    if any(name not in ctx.inputs for name in (upstream, "tokenizer", "tokens")):
+        raise ValueError(f"posttrain-{step} needs inputs {upstream!r}, 'tokenizer' and 'tokens'; got {sorted(ctx.inputs)}")
     tok_dir = Path(ctx.inputs["tokenizer"])
     out = Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,6 +73,10 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     sd = load_upstream(Path(ctx.inputs[upstream]))
     before = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-before", cfg.seed)
     summary: dict[str, Any] = {"step": step, "heldout_n": before["n"], **_scored("heldout_accuracy", before, "before")}
+    ppl_rows = heldout_rows(Path(ctx.inputs["tokens"]), pc.heldout_ppl_rows)
+    ppl_before = heldout_perplexity(sd, cfg.model, ppl_rows)
+    summary.update(heldout_ppl_before=ppl_before, heldout_ppl_rows=int(ppl_rows.shape[0]),
+                   heldout_ppl_pretrained=pretrained_perplexity(Path(ctx.inputs[upstream]), ppl_before))
     pref_before = None
     if step == "dpo":
         pref_before = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
@@ -84,7 +91,8 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
         spec = JobSpec(
             job_id=scratch.name, stage=f"posttrain/{step}", section=f"posttrain.{step}",
             config=cfg.model_dump(mode="json"),
-            inputs={"base": str(base), "tokenizer": str(tok_dir.resolve()), "data": str(data_file.parent.resolve())},
+            inputs={"base": str(base), "tokenizer": str(tok_dir.resolve()), "data": str(data_file.parent.resolve()),
+                    "replay": str((Path(ctx.inputs["tokens"]) / "train").resolve())},
             output=str(out.resolve()), workdir=str(scratch),
             tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
             resume="none",
@@ -97,6 +105,9 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
         if step == "dpo":
             pref_after = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
     summary.update(_scored("heldout_accuracy", after, "after"))
+    ppl_after = heldout_perplexity(sd, cfg.model, ppl_rows) if sc.enabled else ppl_before
+    summary.update(heldout_ppl_after=ppl_after, heldout_ppl_ratio=ppl_after / summary["heldout_ppl_pretrained"],
+                   max_heldout_ppl_ratio=pc.max_heldout_ppl_ratio)
     summary.update(_change("heldout_accuracy", before["correct"], after["correct"]))
     if pref_before is not None:
         summary.update(_scored("preference_accuracy", pref_after, "after"))
@@ -105,6 +116,12 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     (out / "posttrain.json").write_text(json.dumps(summary, indent=2))
     ctx.log_metrics({k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
                     None)
+    limit = pc.max_heldout_ppl_ratio
+    if limit is not None and not summary["heldout_ppl_ratio"] <= limit:
+        raise LanguageModelLost(
+            f"posttrain-{step}: held-out pretraining perplexity {ppl_after:.4g} is {summary['heldout_ppl_ratio']:.3f}x "
+            f"the pretrained model's {summary['heldout_ppl_pretrained']:.4g} (posttrain.max_heldout_ppl_ratio {limit}): "
+            "the step unlearned the language model; lower its lr or steps, or raise sft.replay_fraction")
     return {k: v for k, v in summary.items() if k != "samples_after" and not k.endswith("_outcomes")}
 
 
@@ -134,13 +151,14 @@ def run_grpo(ctx: StageContext) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    """All three steps in order into out_dir/{sft,dpo,grpo}/ from inputs `pretrain` and `tokenizer`; the
+    """All three steps in order into out_dir/{sft,dpo,grpo}/ from inputs `pretrain`, `tokenizer` and `tokens`; the
     final model is also copied to out_dir/model.safetensors (what export reads)."""
     results: dict[str, Any] = {}
     inputs = dict(ctx.inputs)
     for step in ("sft", "dpo", "grpo"):
         sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=inputs)
         results[step] = run_step(sub, step)
-        inputs = {f"posttrain-{step}": Path(ctx.out_dir) / step, "tokenizer": ctx.inputs["tokenizer"]}
+        inputs = {f"posttrain-{step}": Path(ctx.out_dir) / step, "tokenizer": ctx.inputs["tokenizer"],
+                  "tokens": ctx.inputs["tokens"]}
     shutil.copy2(Path(ctx.out_dir) / "grpo" / "model.safetensors", Path(ctx.out_dir) / "model.safetensors")
     return results
