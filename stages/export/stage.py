@@ -23,6 +23,7 @@ writing validation.json so the numbers are there to read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ from .merge import complete_state_dict, find_checkpoint, load_full_state_dict
 from .quantize import quantization_config, quantize_state_dict, unquantized_linears
 from .sizes import markdown, size_rows
 from .validate import (CheckData, VariantReport, build_reference, check_variant, enforce, folder_forward,
-                       gguf_forward, our_forward, transformers_forward)
+                       gguf_forward, our_forward, stored_weights, transformers_forward)
 
 SEED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "seed-1b.yaml"
 # The lifecycle's model chain, in order: (input name, short name used for folders and table rows).
@@ -129,18 +130,46 @@ def write_quantized_folder(sd: dict[str, torch.Tensor], cfg: ModelConfig, out: P
     return sum((out / f).stat().st_size for f in files)
 
 
+def for_model(data: CheckData, short: str) -> CheckData:
+    """The check data of one model of the chain: held-out conversations only for the post-trained ones."""
+    return data if short != "pretrain" else dataclasses.replace(data, chat_rows=None)
+
+
+def cast_report(sd: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str, data: CheckData) -> dict[str, Any]:
+    """What the cast to the export dtype alone does to the trained fp32 model (information for the reader)."""
+    exact = build_reference(our_forward(sd, cfg), data)
+    cast = our_forward(stored_weights(sd, hf_layout.DTYPES[dtype]), cfg)
+    rep = check_variant(f"cast-{dtype}", cast, exact, data, float("inf"), 0.0)
+    return {"dtype": dtype, "ppl_fp32": exact.ppl, "ppl_ratio": rep.ppl_ratio, "chat_ppl_ratio": rep.chat_ppl_ratio,
+            "greedy_agreement": rep.greedy_agreement, "max_logit_diff": rep.max_logit_diff}
+
+
 def export_variants(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, ec, tokenizer_dir: Path | None,
                     data: CheckData, calib: torch.Tensor, log=print) -> tuple[list[VariantReport], dict[str, int], dict]:
     """Write hf/ and every variant, validating each against the unquantized model as it is written.
     Returns (reports, bytes on disk per variant, notes such as skipped variants and AWQ losses)."""
-    ref = build_reference(our_forward(sd, cfg), data)
+    refs: dict[str, Any] = {}
+
+    def reference(variant: str):
+        """The model as `variant` stores it before quantization (validate.stored_weights), run in fp32."""
+        key = {"gguf-f16": "float16/matrices", "gguf-bf16": "bfloat16/matrices"}.get(
+            variant, "float32" if variant in GGUF_VARIANTS else ec.dtype)
+        if key not in refs:
+            dtype, _, part = key.partition("/")
+            refs[key] = build_reference(our_forward(stored_weights(sd, hf_layout.DTYPES[dtype], bool(part)), cfg), data)
+        return refs[key]
+
+    ref = reference("hf")
     reports: list[VariantReport] = []
     sizes: dict[str, int] = {}
-    notes: dict[str, Any] = {"reference_ppl": ref.ppl, "skipped": {}}
+    notes: dict[str, Any] = {"reference_ppl": ref.ppl, "skipped": {}, "cast": cast_report(sd, cfg, ec.dtype, data)}
+    log(f"export: the cast to {ec.dtype} itself: ppl x{notes['cast']['ppl_ratio']:.4f}, "
+        f"logit diff {notes['cast']['max_logit_diff']:.3g} (reported, not gated)")
 
     def check(variant: str, forward) -> None:
         th = ec.thresholds[variant]
-        rep = check_variant(variant, forward, ref, data, th.max_ppl_ratio, th.min_greedy_agreement, th.max_logit_diff)
+        rep = check_variant(variant, forward, reference(variant), data, th.max_ppl_ratio, th.min_greedy_agreement,
+                            th.max_logit_diff)
         log(f"export: {variant}: ppl {rep.ppl:.4g} (x{rep.ppl_ratio:.4f}), greedy agreement {rep.greedy_agreement:.3f}, "
             f"logit diff {rep.max_logit_diff:.3g} -> {'ok' if rep.passed else 'FAILED'}")
         reports.append(rep)
@@ -202,8 +231,9 @@ def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipp
             folder = out / short / "hf"
             sizes[short] = hf_layout.write_hf(sd, cfg, folder, dtype=ec.dtype, tokenizer_dir=tokenizer_dir,
                                               max_shard_mb=ec.shard_size_mb, moe_architecture=ec.moe_architecture)["bytes"]
-            ref = build_reference(our_forward(sd, cfg), data)
-            rep = check_variant(short, transformers_forward(folder), ref, data, th.max_ppl_ratio,
+            mdata = for_model(data, short)
+            ref = build_reference(our_forward(stored_weights(sd, hf_layout.DTYPES[ec.dtype]), cfg), mdata)
+            rep = check_variant(short, transformers_forward(folder), ref, mdata, th.max_ppl_ratio,
                                 th.min_greedy_agreement, th.max_logit_diff)
             log(f"export: {short}/hf: ppl {rep.ppl:.4g}, logit diff {rep.max_logit_diff:.3g} -> "
                 f"{'ok' if rep.passed else 'FAILED'}")
@@ -227,11 +257,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     sd = complete_state_dict(load_full_state_dict(ckpt), cfg.model)  # optimizer state never read
     val, calib = validation_rows(Path(ctx.inputs["tokens"]), ec.validation_rows, ec.awq_calibration_rows,
                                  ec.validation_seq_len)
-    data = CheckData(val, encode_prompts(tokenizer_dir, ec.prompts, val), ec.greedy_tokens)
+    chat = None
+    if tokenizer_dir is not None and ec.chat_validation_rows:
+        from ..posttrain.data import heldout_chat_rows
+
+        chat = heldout_chat_rows(tokenizer_dir, cfg.posttrain.task, ec.chat_validation_rows, val.shape[1], cfg.seed)
+    data = CheckData(val, encode_prompts(tokenizer_dir, ec.prompts, val), ec.greedy_tokens, chat_rows=chat)
     ctx.log_params({"export.source": source, "export.checkpoint": str(ckpt), "export.variants": ",".join(ec.variants),
                     "export.dtype": ec.dtype, "export.lineage": ",".join(s for _, s in earlier) if ec.lineage else ""})
 
-    reports, sizes, notes = export_variants(sd, cfg.model, out, ec, tokenizer_dir, data, calib)
+    reports, sizes, notes = export_variants(sd, cfg.model, out, ec, tokenizer_dir, for_model(data, source_short), calib)
     adapters: dict[str, dict[str, Any]] = {}  # an adapter ships only beside the model it applies to (lineage)
     if ec.lineage:
         lineage_reports, adapters = export_lineage(ctx.inputs, earlier, (source, source_short), sd, cfg.model, out,
@@ -239,7 +274,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         reports += lineage_reports
     (out / "validation.json").write_text(json.dumps(
         {"reference_ppl": notes["reference_ppl"], "variants": [r.as_dict() for r in reports],
-         "skipped": notes["skipped"], "awq": notes.get("awq")}, indent=2))
+         "skipped": notes["skipped"], "awq": notes.get("awq"), "cast": notes["cast"],
+         "chat_rows": 0 if data.chat_rows is None else int(data.chat_rows.shape[0])}, indent=2))
 
     tables = {cfg.name: size_rows(cfg.model, [v for v in ec.variants if v in sizes], ec.dtype, ec.int4_group_size, sizes)}
     if SEED_CONFIG.is_file() and cfg.name != "seed-1b":

@@ -2,8 +2,17 @@
 evaluations on the converted, quantized model. Conversion bugs, such as a transposed shard or a wrong
 RoPE setting, are common and silent").
 
-Two metrics, with thresholds per variant from `export.thresholds`:
-  ppl_ratio          validation perplexity on held-out token rows / the unquantized model's
+Every variant is compared with the model as that variant stores it before any quantization, run by our
+own implementation in fp32 (`stored_weights`): hf/ and the compressed-tensors variants with every tensor
+in `export.dtype`, GGUF with its matrices in F16/BF16 (or fp32 before its block quantization). So the
+lossless conversions (hf, gguf-f16, gguf-bf16) must match to float precision whatever the model, and a
+quantized variant is charged only for its quantization. The cast itself (fp32 -> export.dtype) is
+reported in validation.json, not gated: the cast model is the model that ships, and evaluate scores it.
+
+Metrics, with thresholds per variant from `export.thresholds`:
+  max_logit_diff     max |logit - reference logit| / max |reference logit| (lossless variants)
+  ppl_ratio          validation perplexity on held-out token rows / the unquantized model's (and, for
+                     post-trained models, the same on held-out conversations in the chat template)
   greedy_agreement   the unquantized model's greedy continuations of fixed prompts are fed to the variant
                      (teacher forcing) and we count how often the variant's argmax picks the same token.
                      Teacher forcing keeps one near-tie from flipping every later token, so the number
@@ -39,6 +48,7 @@ class CheckData:
     rows: torch.Tensor  # [N, S + 1] held-out token rows: inputs row[:-1], targets row[1:]
     prompts: list[list[int]]  # fixed prompts as token ids
     greedy_tokens: int = 16
+    chat_rows: torch.Tensor | None = None  # [M, S' + 1] held-out conversations (chat models), checked alike
 
 
 @dataclass
@@ -46,6 +56,8 @@ class Reference:
     ppl: float
     continuations: list[list[int]]
     logits: torch.Tensor  # [N, S, V] of the unquantized model on the validation inputs
+    chat_ppl: float | None = None
+    chat_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,6 +67,7 @@ class VariantReport:
     ppl_ratio: float
     greedy_agreement: float
     max_logit_diff: float  # max |logit - reference logit| / max |reference logit|
+    chat_ppl_ratio: float | None = None  # the same ratio on held-out conversations (chat models)
     passed: bool = True
     failures: list[str] = field(default_factory=list)
 
@@ -94,10 +107,29 @@ def greedy_agreement(forward: Forward, prompts: list[list[int]], continuations: 
     return same / max(total, 1)
 
 
+def stored_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype, matrices_only: bool = False) -> dict[str, torch.Tensor]:
+    """The weights as an export stores them before any quantization (every tensor in `dtype`, or only the
+    matrices, as GGUF keeps norms in F32), back in fp32. The model run on these is the reference a
+    lossless conversion must reproduce: then the bound on a bf16 or fp16 export no longer depends on
+    what rounding does to this model's logits (which grows with how confident the model is), only on
+    the implementation, and a transposed or permuted tensor still fails by orders of magnitude."""
+    return {k: v.to(dtype).float() if (v.is_floating_point() and (v.dim() >= 2 or not matrices_only)) else v
+            for k, v in sd.items()}
+
+
 def build_reference(forward: Forward, data: CheckData) -> Reference:
     logits = logits_of(forward, data.rows)
     conts = [greedy(forward, p, data.greedy_tokens) for p in data.prompts]
-    return Reference(perplexity_from_logits(logits, data.rows), conts, logits)
+    ref = Reference(perplexity_from_logits(logits, data.rows), conts, logits)
+    if data.chat_rows is not None:
+        ref.chat_logits = logits_of(forward, data.chat_rows)
+        ref.chat_ppl = perplexity_from_logits(ref.chat_logits, data.chat_rows)
+    return ref
+
+
+def _relative_diff(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    # relative to the largest reference logit, so the limit does not depend on the model's logit scale
+    return float((logits - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def check_variant(variant: str, forward: Forward, ref: Reference, data: CheckData, max_ppl_ratio: float,
@@ -106,15 +138,22 @@ def check_variant(variant: str, forward: Forward, ref: Reference, data: CheckDat
     ppl = perplexity_from_logits(logits, data.rows)
     ratio = ppl / ref.ppl if math.isfinite(ppl) else float("inf")
     agree = greedy_agreement(forward, data.prompts, ref.continuations)
-    # relative to the largest reference logit, so the limit does not depend on the model's logit scale
-    diff = float((logits - ref.logits).abs().max() / ref.logits.abs().max().clamp_min(1e-12))
+    diff = _relative_diff(logits, ref.logits)
     rep = VariantReport(variant, ppl, ratio, agree, diff)
+    if data.chat_rows is not None and ref.chat_logits is not None:
+        chat_logits = logits_of(forward, data.chat_rows)
+        chat_ppl = perplexity_from_logits(chat_logits, data.chat_rows)
+        rep.chat_ppl_ratio = chat_ppl / ref.chat_ppl if math.isfinite(chat_ppl) else float("inf")
+        rep.max_logit_diff = diff = max(diff, _relative_diff(chat_logits, ref.chat_logits))
     if max_logit_diff is not None and not diff <= max_logit_diff:
         rep.failures.append(f"variant {variant}: logits differ from the unquantized model's by {diff:.3g} of the "
                             f"largest logit (max_logit_diff {max_logit_diff}): a conversion bug, not rounding")
     if not ratio <= max_ppl_ratio:
         rep.failures.append(f"variant {variant}: validation perplexity {ppl:.4g} is {ratio:.4f}x the unquantized "
                             f"model's {ref.ppl:.4g} (max_ppl_ratio {max_ppl_ratio}); relative logit diff {diff:.3g}")
+    if rep.chat_ppl_ratio is not None and not rep.chat_ppl_ratio <= max_ppl_ratio:
+        rep.failures.append(f"variant {variant}: perplexity on held-out conversations is {rep.chat_ppl_ratio:.4f}x "
+                            f"the unquantized model's {ref.chat_ppl:.4g} (max_ppl_ratio {max_ppl_ratio})")
     if not agree >= min_greedy_agreement:
         rep.failures.append(f"variant {variant}: greedy token agreement {agree:.3f} with the unquantized model is "
                             f"below min_greedy_agreement {min_greedy_agreement}; relative logit diff {diff:.3g}")
@@ -158,12 +197,24 @@ def our_forward(sd: dict[str, torch.Tensor], cfg: ModelConfig, fp8_activations: 
     return lambda tokens: model(tokens).float()
 
 
+def load_causal_lm(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """AutoModelForCausalLM.from_pretrained without its per-tensor "Loading weights" bar, which in a stage's
+    log is one noisy line per small model loaded (restored afterwards)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def transformers_forward(hf_dir: str | Path) -> Forward:
     """The folder loaded by transformers itself, in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    model.eval()
+    model = load_causal_lm(hf_dir)
     return lambda tokens: model(tokens).logits.float()
 
 
