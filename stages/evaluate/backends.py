@@ -82,12 +82,14 @@ class TransformersBackend:
 
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", **_ignored):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from stages.export.validate import load_causal_lm
 
         self.torch = torch
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+        self.model = load_causal_lm(model_dir, getattr(torch, dtype)).to(device)
         self.max_length = int(self.model.config.max_position_embeddings)
 
     def score(self, requests):

@@ -115,6 +115,10 @@ class EightfoldLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # -- scoring -------------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # lm-eval's base class draws a "Tokenizing inputs" bar over a step that takes milliseconds here
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: ((context, continuation) or None, context ids, continuation ids). Sequences longer
         than max_length + 1 lose tokens on the left, as in lm-eval's `hf` model."""

@@ -4,10 +4,12 @@ parts of its result worth keeping (metrics, stderr, directions, per-example outp
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,22 @@ def model_args(cfg: EvaluateConfig, path: Path, backend: str | None = None) -> d
     return args
 
 
+@contextmanager
+def quiet_request_building():
+    """lm-eval draws a progress bar for every task it builds requests for (lm_eval/api/task.py:
+    build_all_requests, with no way to turn it off): in a stage's log that is one bar per task and
+    variant, each over in milliseconds. Its `tqdm` is swapped for a silent one while we evaluate."""
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+
+    original = task_module.tqdm
+    task_module.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        task_module.tqdm = original
+
+
 def evaluate_model(model: Any, tasks: list[str], task_manager, cfg: EvaluateConfig,
                    model_args: dict[str, Any] | str | None = None) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` on one model (a registered name with args, or an LM object)."""
@@ -131,12 +149,13 @@ def evaluate_model(model: Any, tasks: list[str], task_manager, cfg: EvaluateConf
     from . import lm_model  # noqa: F401  registers "eightfold"
 
     offline_env()
-    return lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=tasks, task_manager=task_manager, limit=cfg.limit,
-        bootstrap_iters=cfg.bootstrap_iters, log_samples=True, apply_chat_template=cfg.apply_chat_template,
-        random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-        torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
-    )
+    with quiet_request_building():
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=tasks, task_manager=task_manager, limit=cfg.limit,
+            bootstrap_iters=cfg.bootstrap_iters, log_samples=True, apply_chat_template=cfg.apply_chat_template,
+            random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
+        )
 
 
 def _is_pair(v: Any) -> bool:

@@ -4,7 +4,8 @@ other input holding model folders adds variants, e.g. pretrain and post-train ex
 engine, writes the comparison table, logs one nested MLflow run per variant, then applies the gates.
 
 Output folder:
-  suite/                 the YAML tasks and their data files, exactly as evaluated
+  suite/                 the YAML tasks and their data files, exactly as evaluated (`lm_eval
+                         --include_path suite/` runs them wherever the folder is copied)
   results/<variant>.json the metrics of each variant (value, stderr, direction, examples)
   samples/<variant>/     per-example outputs, one jsonl per task
   evaluation.md / .json  the variants x tasks table
@@ -13,6 +14,7 @@ Output folder:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     if not summaries:
         raise RuntimeError(f"no variant could be evaluated: {skipped}")
+    # lm-eval imported suite/utils.py: its bytecode names this build's staging folder, and is no part of the suite
+    shutil.rmtree(suite_dir / "__pycache__", ignore_errors=True)
     table = build_table(summaries, cfg.tasks, skipped, notes, caption=lineage_caption(ctx.inputs))
     md, js = write_table(table, ctx.out_dir)
     ctx.log_artifact(md)

@@ -1,12 +1,16 @@
 """The offline task suite, written at stage run time: the data files (task family held-out examples,
-validation documents, held-out Python functions) and the YAML tasks of `tasks/` with absolute paths to
-them (lm-eval resolves a relative `data_files` against the current directory, not the YAML's folder).
+validation documents, held-out Python functions) in `data/`, the YAML tasks of `tasks/` and their
+`utils.py`. Each YAML loads its data file with `custom_dataset: !function utils.load_jsonl`, which reads
+`data/` beside `utils.py` (lm-eval imports it from the YAML's folder), so the folder works wherever it is
+copied: `lm_eval --include_path <suite> ...` from any directory (a relative `data_files` would be
+resolved against the current directory, an absolute one would name the build's staging folder).
 `task_manager(suite_dir)` then loads them without indexing lm-eval's ~14,700 built-in tasks."""
 
 from __future__ import annotations
 
 import ast
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -171,9 +175,26 @@ def write_suite(out_dir: Path, cfg: EvaluateConfig, texts: Iterable[str] | None,
         if task not in cfg.tasks:
             continue
         text = (TEMPLATES / f"{task}.yaml").read_text()
-        text = text.replace("__DATA_DIR__", data.as_posix()).replace("__MAX_GEN_TOKS__", str(cfg.max_gen_toks))
+        text = text.replace("__MAX_GEN_TOKS__", str(cfg.max_gen_toks))
         (out_dir / f"{task}.yaml").write_text(text)
     return out_dir, counts
+
+
+class _QuietCustomDataset(logging.Filter):
+    """Drops lm-eval's warning that a task with a `custom_dataset` takes `--metadata` kwargs, for the
+    suite's own tasks only (they load their data file that way; there is nothing to pass)."""
+
+    PREFIXES = tuple(f"{task}: Custom kwargs can be passed to `--metadata`" for task in SUITE_TASKS)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.PREFIXES))
+
+
+def quiet_custom_dataset_warning() -> None:
+    """Install `_QuietCustomDataset` on the logger of lm-eval's task loading, once."""
+    logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _QuietCustomDataset) for f in logger.filters):
+        logger.addFilter(_QuietCustomDataset())
 
 
 def task_manager(suite_dir: Path, tasks: list[str]):
@@ -181,6 +202,7 @@ def task_manager(suite_dir: Path, tasks: list[str]):
     name is not in the suite (that costs ~12 s)."""
     from lm_eval.tasks import TaskManager
 
+    quiet_custom_dataset_warning()
     defaults = any(t not in SUITE_TASKS for t in tasks)
     tm = TaskManager(include_path=str(suite_dir), include_defaults=defaults)
     unknown = [t for t in tasks if t not in tm.all_tasks]
