@@ -119,7 +119,11 @@ def read_sources(cfg: DataConfig, cache_dir: Path | None = None) -> tuple[list[K
 
 
 def _write_split(docs: list[Kept], out: Path, shard_bytes: int) -> list[str]:
-    import datasets
+    """Parquet shards of about shard_bytes of text each, written with pyarrow (what datasets' to_parquet
+    calls underneath): a datasets.Dataset built only to be written would be fingerprinted, and hashing its
+    table through dill disassembles bytecode to stdout, which Prefect's log_prints turns into log lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     if out.exists():  # leftovers of an interrupted attempt must not join this split
         shutil.rmtree(out)
@@ -135,10 +139,9 @@ def _write_split(docs: list[Kept], out: Path, shard_bytes: int) -> list[str]:
         bounds.append((start, len(docs)))
     for k, (a, b) in enumerate(bounds):
         part = docs[a:b]
-        ds = datasets.Dataset.from_dict({c: [getattr(d, c) for d in part] for c in COLUMNS},
-                                        features=datasets.Features({c: datasets.Value("string") for c in COLUMNS}))
+        table = pa.table({c: pa.array([getattr(d, c) for d in part], type=pa.string()) for c in COLUMNS})
         name = f"part-{k:05d}.parquet"
-        ds.to_parquet(str(out / name))
+        pq.write_table(table, str(out / name))
         files.append(name)
     return files
 
