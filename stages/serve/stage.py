@@ -134,7 +134,9 @@ def load_test(model_dir: Path, sc, seed: int, tokenizer_dir: Path | None = None)
     input_len, output_len = max(1, int(sc.load_input_len * fit)), max(1, int(sc.load_output_len * fit))
     reqs = make_requests(tokenizer, sc.load_requests, input_len, output_len, 0.25, seed)
     kv = {"kv_cache_dtype": sc.kv_cache_dtype} if sc.kv_cache_dtype != "auto" else {}
-    proc, url = start_server_process(str(model_dir), sc.threads, **kv)
+    # start-up compiles the decode step for every batch size: minutes on a loaded 2-core machine, so no
+    # short deadline (a server that dies is seen at once); the lifecycle must not fail on a slow machine
+    proc, url = start_server_process(str(model_dir), sc.threads, timeout=1800.0, **kv)
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
