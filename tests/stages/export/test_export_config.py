@@ -19,7 +19,7 @@ def test_partial_thresholds_merge_over_defaults():
     e = ExportConfig(thresholds={"int8": {"max_ppl_ratio": 1.5}})
     assert e.thresholds["int8"].max_ppl_ratio == 1.5
     assert e.thresholds["int8"].min_greedy_agreement == ExportConfig().thresholds["int8"].min_greedy_agreement
-    assert e.thresholds["hf"].max_logit_diff == 0.05
+    assert e.thresholds["hf"].max_logit_diff == 1e-3
 
 
 @pytest.mark.parametrize("bad,match", [
