@@ -9,7 +9,10 @@ from pathlib import Path
 
 from faults_jobs import job, run_in_process
 
-SPIKE = {"min_history": 3, "window": 8, "z_threshold": 6.0, "max_skips": 2, "max_rollbacks": 1}
+# z_threshold 20, not the default 6: the poisoned steps (loss x 50) sit thousands of std above the mean,
+# while early clean steps reach z 8.1 on the gradient norm with a 3-step history (measured, init seeds
+# 0..15: max 1.7 at seed 0, 8.1 at seed 10, which then skipped a clean step 4).
+SPIKE = {"min_history": 3, "window": 8, "z_threshold": 20.0, "max_skips": 2, "max_rollbacks": 1}
 
 
 def events(spec) -> list[dict]:
@@ -31,9 +34,12 @@ def test_poisoned_window_is_skipped_and_rolled_back(byte_tokens, tmp_path):
     assert len(rollbacks) == 1 and rollbacks[0]["rollback_to_step"] == 8.0
     assert all(e["spike_loss"] > 3 * clean.metrics["loss"] for e in ev if "spike_skipped" in e)
     assert res.metrics["spike_rollbacks"] == 1 and res.metrics["spike_skipped_steps"] == 2
-    # Same number of applied updates over slightly different data: the end is within 2% of clean.
+    # Same number of applied updates over slightly different data: the end is within 2% of clean on the
+    # same validation rows (measured over init seeds 0..15: 0.00..0.46%). The last training loss is of a
+    # different batch (the skipped window shifts the data), so it gets its batch-to-batch spread: measured
+    # 0.03..5.4% apart, bound 10%.
     assert abs(res.metrics["val_loss"] - clean.metrics["val_loss"]) / clean.metrics["val_loss"] < 0.02
-    assert abs(res.metrics["loss"] - clean.metrics["loss"]) / clean.metrics["loss"] < 0.02
+    assert abs(res.metrics["loss"] - clean.metrics["loss"]) / clean.metrics["loss"] < 0.10
 
 
 def test_nan_step_is_skipped_and_endless_spikes_diverge(byte_tokens, tmp_path):

@@ -3,7 +3,8 @@
 argv: PLAN.json OUT_DIR. The plan is a list of {"name", "job", "mode"}; mode "train" trains the job's
 steps through the real Trainer and saves, per rank, the losses, the rank's own weights (full-model
 names) and its optimizer-state bytes; mode "bubble" also instruments the pipeline with a
-PipelineTrace (fixed delays per pass) and saves each rank's idle fraction and peak live micro-batches.
+PipelineTrace (fixed delays per pass) and saves each rank's idle fraction, the order of its passes and
+its peak live micro-batches.
 """
 
 import json
@@ -36,7 +37,7 @@ def run(job_file: str, mode: str, out: Path) -> None:
 
         trace = PipelineTrace(delay_s=(0.02, 0.04))
         model.pipeline.instrument(trace)
-    losses, norms, idle, peaks = [], [], [], {}
+    losses, norms, idle, peaks, orders = [], [], [], {}, []
     for step in range(tr.train_cfg.steps):
         if trace is not None:
             trace.reset()
@@ -50,6 +51,8 @@ def run(job_file: str, mode: str, out: Path) -> None:
         norms.append(res.grad_norm)
         if trace is not None and step > 0:  # step 0 includes the schedule's set-up
             idle.append(trace.idle_fraction())
+            # the passes in the order this rank ran them: the schedule itself, free of the machine's timing
+            orders.append([(kind, stage, mb) for kind, stage, mb, _, _ in sorted(trace.events, key=lambda e: e[3])])
             for s, n in trace.peak_live.items():
                 peaks[s] = max(peaks.get(s, 0), n)
     from trainer.parallel.context_parallel import ring_tiles_computed
@@ -57,7 +60,7 @@ def run(job_file: str, mode: str, out: Path) -> None:
 
     record = {"losses": losses, "grad_norms": norms, "acts": acts, "n_layers": tr.cfg.model.n_layers,
               "state": {k: full(v) for k, v in model.state_dict().items()},
-              "tiles": ring_tiles_computed(model), "idle": idle, "peak_live": peaks, "moe": res.moe,
+              "tiles": ring_tiles_computed(model), "idle": idle, "orders": orders, "peak_live": peaks, "moe": res.moe,
               "pp_rank": tr.dims.rank("pp"), "cp_rank": tr.dims.rank("cp"), "dp_rank": tr.dims.rank("dp"),
               "tp_rank": tr.dims.rank("tp"), "state_bytes": optimizer_state_bytes(tr.optimizer),
               "local_params": sum(local(p).numel() for p in model.parameters())}

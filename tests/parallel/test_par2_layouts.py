@@ -4,8 +4,9 @@ training as one process on the same global batch (CPU, gloo, fp32, 5 steps): los
 relative under AdamW, weights within 1e-5 under SGD. Every layout of one world size runs in one torchrun launch (par2_worker.py); the
 one-process references run in this process through the same Trainer.
 
-Also measured: the pipeline bubble (idle fraction per stage from timestamps) and the peak number of
-micro-batches in flight per stage, against the closed forms; the ring's computed tiles against the
+Also measured: the pipeline bubble (each stage's idle fraction, from the order its passes ran in,
+replayed with fixed pass costs; the timed figure is printed) and the peak number of micro-batches in
+flight per stage, against the closed forms; the ring's computed tiles against the
 zigzag tile count."""
 
 from __future__ import annotations
@@ -79,6 +80,37 @@ def launch(tmp: Path, tokens: Path, world: int, layouts: dict[str, tuple[dict, s
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return {n: [torch.load(out / f"{n}.rank{r}.pt") for r in range(world)] for n in layouts}
+
+
+def replayed_idle(orders: list[list[tuple[str, int, int]]], v: int) -> list[float]:
+    """Each rank's idle fraction when its passes run in the recorded order with fixed costs (forward 1,
+    backward 2 per whole-model chunk, divided by the v chunks a rank holds; an input-only backward and
+    its weight pass 1 each), a pass starting once its rank is free and its inputs exist: the forward of
+    stage s waits for stage s-1's, the backward of s for stage s+1's. Over the whole step's span."""
+    last = max(s for order in orders for _, s, _ in order)
+    split = {(s, m) for order in orders for k, s, m in order if k == "W"}
+    cost = {"F": 1.0 / v, "W": 1.0 / v}
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos, busy = [0.0] * len(orders), [0] * len(orders), [0.0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                kind, s, m = order[pos[r]]
+                needs = {"F": [("F", s - 1, m)] if s > 0 else [],
+                         "B": [("F", s, m)] + ([("B", s + 1, m)] if s < last else []),
+                         "W": [("B", s, m)]}[kind]
+                if any(n not in done for n in needs):
+                    break
+                c = (1.0 if (s, m) in split else 2.0) / v if kind == "B" else cost[kind]
+                start = max([free[r]] + [done[n] for n in needs])
+                done[(kind, s, m)] = free[r] = start + c
+                busy[r] += c
+                pos[r] += 1
+                moved = True
+        assert moved, f"the recorded orders deadlock: {[o[p] for p, o in zip(pos, orders) if p < len(o)]}"
+    span = max(free)
+    return [1.0 - b / span for b in busy]
 
 
 def merged_state(records: list[dict]) -> dict[str, torch.Tensor]:
@@ -221,19 +253,26 @@ def test_world4_layouts_and_pipeline_bubble(byte_tokens, tmp_path):
     figures = {}
     for sched in bubble:
         recs = sorted(got[f"bubble-{sched}"], key=lambda r: r["pp_rank"])
-        idle = [sum(r["idle"]) / len(r["idle"]) for r in recs]
-        figures[sched] = idle
+        timed = [sum(r["idle"]) / len(r["idle"]) for r in recs]
         v = 2 if sched.startswith("interleaved") else 1
         want = bubble_formula(p, m, v)
+        # The bubble is asserted on the order the ranks ran their passes in (the schedule itself), replayed
+        # with fixed costs: the timed idle also carries the machine's load (4 ranks on 2 busy cores moved
+        # it up to 0.07 off the formula, and interleaved/1f1b from 0.62 up to 0.92, so a timed 0.8 bound
+        # was a coin flip). The timed figure is printed for the record, as benchmarks/ would.
+        for step, orders in enumerate(zip(*(r["orders"] for r in recs))):
+            idle = replayed_idle(list(orders), v)
+            assert abs(sum(idle) / p - want) < 1e-6, (sched, step, idle, want)
+        figures[sched] = sum(idle) / p
         print(json.dumps({"figure": "pipeline_bubble", "schedule": sched, "p": p, "m": m, "v": v,
-                          "idle_per_stage": [round(x, 3) for x in idle], "formula": round(want, 3),
-                          "peak_in_flight": [r["peak_live"] for r in recs]}))
-        assert abs(sum(idle) / p - want) < 0.07, (sched, idle, want)
+                          "timed_idle_per_stage": [round(x, 3) for x in timed], "replayed": round(figures[sched], 3),
+                          "formula": round(want, 3), "peak_in_flight": [r["peak_live"] for r in recs]}))
+        assert all(0.0 <= x < 1.0 for x in timed), timed
         if sched != "interleaved_1f1b":
             for i, r in enumerate(recs):  # one chunk per rank: chunk id == stage id == pp rank
                 assert r["peak_live"][i] == expected_peak_in_flight(sched, p, m, i), (sched, i, r["peak_live"])
-    # Interleaving shrinks the bubble (Narayanan et al. 2021: divided by v).
-    assert sum(figures["interleaved_1f1b"]) < 0.8 * sum(figures["1f1b"])
+    # Interleaving shrinks the bubble (Narayanan et al. 2021: divided by v): 3/19 against 3/11 here.
+    assert figures["interleaved_1f1b"] < 0.8 * figures["1f1b"]
 
 
 @pytest.mark.distributed

@@ -33,8 +33,10 @@ def run(cfg, model, steps_batches):
 def test_loss_falls_on_real_text(byte_tokens, precision):
     cfg = tiny_config(steps=25, lr=3e-3, warmup_steps=2, precision=precision)
     losses = run(cfg, build_model(cfg, CPU, 0), batches(byte_tokens, 25))
-    assert losses[0] > 5.0  # ~log(320) at init
-    assert sum(losses[-5:]) / 5 < 0.7 * losses[0]
+    assert losses[0] > 5.0  # ~log(320) = 5.77 at init (measured 5.72..5.82 over init seeds 0..15)
+    # the mean of the last 5 losses was 0.565..0.598 of the first over init/data seeds 0..15, fp32 and
+    # bf16, 1 and 2 threads (seed 0: 0.572); 0.75 leaves >= 20% on the worst
+    assert sum(losses[-5:]) / 5 < 0.75 * losses[0]
 
 
 def split(mbs: list[MicroBatch], size: int) -> list[MicroBatch]:

@@ -107,13 +107,24 @@ def test_serving_engine_loads_variant(tmp_path, scheme, trained_tiny, export_tok
     assert (served - ours).abs().max() < 1e-3
 
 
-def test_awq_beats_rtn_with_outlier_channels(trained_tiny, reference):
+def test_awq_beats_rtn_with_outlier_channels(trained_tiny):
     """Make channels 0..7 of every attention input 30x larger (and their q/k/v columns 30x smaller: the
     same function). RTN then loses those small weights inside groups scaled by the others; AWQ scales
-    them back up."""
-    from stages.export.hf import DTYPES, to_hf_state_dict
+    them back up.
+
+    What AWQ guarantees is a smaller output reconstruction error, so that is what is compared: on the
+    calibration objective, and end to end as the KL divergence of the int4-dequantized model's next-token
+    distribution from the unquantized model's on held-out rows. Perplexity is not compared: on this briefly
+    trained model int4 noise moves it by < 1% either way (RTN's ratio was 0.979..1.011 over 16 seeds, often
+    *below* 1 and below AWQ's), a coin flip of the rounding.
+    Measured over training seeds 0..15 (1 and 2 threads gave identical figures): loss_awq / loss_rtn
+    0.29..0.66 (seed 0: 0.47), KL_awq / KL_rtn 0.06..0.18 (seed 0: 0.08). Bounds 0.8 and 0.25 leave
+    >= 20% on the worst seed (0.7 on the calibration loss, the former bound, left 7%)."""
+    import torch.nn.functional as F
+
+    from stages.export.hf import DTYPES, from_hf_state_dict, to_hf_state_dict
     from stages.export.quantize import dequantize_state_dict, quantization_config, quantize_state_dict
-    from stages.export.hf import from_hf_state_dict
+    from stages.export.validate import logits_of
 
     cfg = trained_tiny.cfg
     sd = {k: v.clone() for k, v in trained_tiny.state_dict.items()}
@@ -121,18 +132,21 @@ def test_awq_beats_rtn_with_outlier_channels(trained_tiny, reference):
         sd[f"layers.{i}.input_layernorm.weight"][:8] *= 30
         for n in "qkv":
             sd[f"layers.{i}.self_attn.{n}_proj.weight"][:, :8] /= 30
-    data, _ = reference
-    ref = build_reference(our_forward(sd, cfg), data)
+    rows = trained_tiny.val_rows  # held out: not the calibration rows
+    ref = F.log_softmax(logits_of(our_forward(sd, cfg), rows), dim=-1)
 
-    def int4_ppl(src):
+    def int4_kl(src):
+        """Mean per-token KL(unquantized || int4 of src) on the held-out rows."""
         hf = to_hf_state_dict(src, cfg, "llama", DTYPES["float32"])
         deq = dequantize_state_dict(quantize_state_dict(hf, "int4", 128), quantization_config("int4"))
-        rep = check_variant("x", our_forward(from_hf_state_dict(deq, cfg, "llama"), cfg), ref, data, 10, 0)
-        return rep.ppl_ratio
+        logp = F.log_softmax(logits_of(our_forward(from_hf_state_dict(deq, cfg, "llama"), cfg), rows), dim=-1)
+        return float((ref.exp() * (ref - logp)).sum(-1).mean())
 
     scaled, losses = awq_scale(sd, cfg, trained_tiny.train_rows[:8], 128, 10)
-    assert losses["loss_awq"] < 0.7 * losses["loss_rtn"]
-    assert int4_ppl(scaled) < int4_ppl(sd)
+    assert losses["loss_awq"] <= losses["loss_rtn"]  # by construction: alpha = 0 (RTN) is on the grid
+    assert losses["loss_awq"] < 0.8 * losses["loss_rtn"]
+    kl_awq, kl_rtn = int4_kl(scaled), int4_kl(sd)
+    assert 0 < kl_awq < 0.25 * kl_rtn, (kl_awq, kl_rtn)
     # the scaled model is the same function before rounding
     tokens = trained_tiny.val_rows[:2, :-1]
     assert (our_forward(scaled, cfg)(tokens) - our_forward(sd, cfg)(tokens)).abs().max() < 1e-3
