@@ -35,7 +35,9 @@ def _default_thresholds() -> dict[str, VariantThreshold]:
         # Lossless conversions run the very same weights: only fp32 operation order differs (measured
         # ~1e-6 of the largest logit), while a transposed or permuted tensor moves them by ~1e-1.
         "hf": t(max_ppl_ratio=1.01, min_greedy_agreement=0.9, max_logit_diff=1e-3),
-        "fp8": t(max_ppl_ratio=1.05, min_greedy_agreement=0.5),
+        # E4M3 keeps 3 mantissa bits (up to 6% relative per weight and activation): on the tiny model's
+        # held-out conversations (low perplexity, so each nat shows) W8A8 measured 0.98..1.04x
+        "fp8": t(max_ppl_ratio=1.10, min_greedy_agreement=0.5),
         "int8": t(max_ppl_ratio=1.02, min_greedy_agreement=0.6),
         "int4": t(max_ppl_ratio=1.30, min_greedy_agreement=0.25),
         "int4-awq": t(max_ppl_ratio=1.30, min_greedy_agreement=0.25),
