@@ -76,6 +76,8 @@ def _client(uri: str):
 
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        # a new database announces its schema migration at INFO on every first run: not ours to print
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 

@@ -236,6 +236,9 @@ def run(ctx: StageContext, run_proxies: RunProxies | None = None,
         summary["predicted_val_loss"] = pred["val_loss"]
         if pred["std"] is not None:
             summary["predicted_val_loss_std"] = pred["std"]
+    def fmt(x):
+        return "n/a" if x is None else f"{x:.4g}"
+
     log(f"ablations: lr={choice['lr']:.4g} batch={choice['global_batch_size']} predicted val_loss="
-        f"{pred['val_loss'] if pred['val_loss'] is None else round(pred['val_loss'], 4)} +- {pred['std']}")
+        f"{fmt(pred['val_loss'])} +- {fmt(pred['std'])}")
     return summary
