@@ -127,7 +127,7 @@ def build_reference(forward: Forward, data: CheckData) -> Reference:
     return ref
 
 
-def _relative_diff(logits: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_diff(logits: torch.Tensor, ref: torch.Tensor) -> float:
     # relative to the largest reference logit, so the limit does not depend on the model's logit scale
     return float((logits - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
@@ -138,13 +138,13 @@ def check_variant(variant: str, forward: Forward, ref: Reference, data: CheckDat
     ppl = perplexity_from_logits(logits, data.rows)
     ratio = ppl / ref.ppl if math.isfinite(ppl) else float("inf")
     agree = greedy_agreement(forward, data.prompts, ref.continuations)
-    diff = _relative_diff(logits, ref.logits)
+    diff = relative_diff(logits, ref.logits)
     rep = VariantReport(variant, ppl, ratio, agree, diff)
     if data.chat_rows is not None and ref.chat_logits is not None:
         chat_logits = logits_of(forward, data.chat_rows)
         chat_ppl = perplexity_from_logits(chat_logits, data.chat_rows)
         rep.chat_ppl_ratio = chat_ppl / ref.chat_ppl if math.isfinite(chat_ppl) else float("inf")
-        rep.max_logit_diff = diff = max(diff, _relative_diff(chat_logits, ref.chat_logits))
+        rep.max_logit_diff = diff = max(diff, relative_diff(chat_logits, ref.chat_logits))
     if max_logit_diff is not None and not diff <= max_logit_diff:
         rep.failures.append(f"variant {variant}: logits differ from the unquantized model's by {diff:.3g} of the "
                             f"largest logit (max_logit_diff {max_logit_diff}): a conversion bug, not rounding")
