@@ -49,7 +49,7 @@ from infra.store import ChecksumMismatch, FileStore, Store, StoreError, join_key
 
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
-FORMAT = "eightfold-dcp-1"
+FORMAT = "eightfold-dcp-2"  # 2: optimizer state flattened per parameter (_state_dict_options)
 
 
 
@@ -97,6 +97,16 @@ def _uses_own_state_dict(optimizer) -> bool:
     return bool(getattr(optimizer, "fqn_state_dict", False)) or not isinstance(optimizer, torch.optim.Optimizer)
 
 
+def _state_dict_options():
+    """Optimizer state flattened to one key per parameter (`state.{fqn}.exp_avg`, `param_groups.{fqn}.lr`):
+    nested, DCP would key param groups by their index, and pipeline stages, whose groups hold different
+    parameters under the same index, would overwrite each other's (a resumed stage then found no group for
+    its parameters and AdamW failed with KeyError 'betas')."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def model_and_optim_state(model: nn.Module, optimizer) -> dict[str, Any]:
     """{"model": ..., "optim": ...} keyed by fully-qualified parameter names; DTensor (FSDP/TP) shards
     stay sharded (torch.distributed.checkpoint.state_dict handles the wrappers)."""
@@ -105,7 +115,7 @@ def model_and_optim_state(model: nn.Module, optimizer) -> dict[str, Any]:
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     state = {"model": get_model_state_dict(inner)}
     if not _uses_own_state_dict(optimizer):  # a rank-local optimizer shard goes to optim/rankR.pt instead
-        state["optim"] = get_optimizer_state_dict(inner, optimizer)
+        state["optim"] = get_optimizer_state_dict(inner, optimizer, options=_state_dict_options())
     return state
 
 
@@ -119,7 +129,7 @@ def apply_model_and_optim_state(model: nn.Module, optimizer, state: dict[str, An
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     set_model_state_dict(inner, state["model"])
     if not _uses_own_state_dict(optimizer):
-        set_optimizer_state_dict(inner, optimizer, state["optim"])
+        set_optimizer_state_dict(inner, optimizer, state["optim"], options=_state_dict_options())
 
 
 # --- committed checkpoints in a store --------------------------------------------------------------
