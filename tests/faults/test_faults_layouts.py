@@ -75,4 +75,3 @@ def test_seed_mesh_tp_pp_zero1_exact_resume(byte_tokens, tmp_path):
     for s in (3, 4):
         assert losses(resumed)[s] == losses(whole)[s]
     assert_equal_weights(final(resumed), final(whole))
-
