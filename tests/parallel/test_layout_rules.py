@@ -84,7 +84,8 @@ def test_ulysses_is_capped_by_the_kv_heads_per_tp_rank():
     load_config("tiny", ["model.n_heads=8", "model.dim=256", "parallel.nproc_per_node=4", "parallel.cp=4"])  # the ring
     # tp splits the KV heads first: 2 KV heads over tp=2 leave 1 per rank, which cp=2 cannot split.
     with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 \(1 per tp rank\) is not divisible by cp=2"):
-        load_config("tiny", ulysses + ["parallel.nproc_per_node=4", "parallel.cp=2", "parallel.tp=2", "parallel.zero=1"])
+        load_config("tiny", ulysses + ["parallel.nproc_per_node=4", "parallel.cp=2", "parallel.tp=2",
+                                       "parallel.zero=1"])
 
 
 @pytest.mark.parametrize("overrides", COMPOSED, ids=[f"composed{i}" for i in range(len(COMPOSED))])

@@ -184,7 +184,8 @@ class RingAttentionFunction(torch.autograd.Function):
                         lse_t = torch.logsumexp(s, dim=-1)
                         o_t = _matmul(torch.exp(s - lse_t[..., None]), vs[b], dtype)
                         lse = torch.logaddexp(lses[a], lse_t)  # the online-softmax merge, in fp32
-                        outs[a] = outs[a] * torch.exp(lses[a] - lse)[..., None] + o_t * torch.exp(lse_t - lse)[..., None]
+                        outs[a] = (outs[a] * torch.exp(lses[a] - lse)[..., None]
+                                   + o_t * torch.exp(lse_t - lse)[..., None])
                         lses[a] = lse
                         tiles += 1
                 if pending is not None:
