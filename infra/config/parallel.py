@@ -93,6 +93,14 @@ def unsupported_layout(p: ParallelConfig, model: ModelConfig | None = None) -> s
         if model.tie_embeddings and (p.pp > 1 or p.tp > 1):
             return (f"model.tie_embeddings with parallel.pp={p.pp} tp={p.tp}: the embedding and the LM head sit on "
                     "different pipeline stages, or are split along different dimensions by tensor parallel; untie them")
+        if p.cp > 1 and p.cp_impl == "ulysses" and (model.kv_heads // p.tp) % p.cp:
+            # Refused rather than duplicating KV heads: a copy per cp rank would multiply Ulysses's K/V
+            # all-to-all bytes and attention memory by cp / (KV heads per tp rank), which is what the
+            # ring avoids; the seed: "its degree is capped by the number of KV heads".
+            return (f"parallel.cp_impl=ulysses with parallel.cp={p.cp} tp={p.tp}: Ulysses splits the KV heads over "
+                    f"the cp ranks, and model.n_kv_heads={model.kv_heads} ({model.kv_heads // p.tp} per tp rank) is "
+                    f"not divisible by cp={p.cp}; its degree is capped by the KV heads: use cp_impl=ring, or a cp "
+                    f"that divides the KV heads per tp rank")
         if model.moe is not None and model.moe.balance == "aux_loss" and p.pp > 1:
             return (f"model.moe.balance=aux_loss with parallel.pp={p.pp}: the auxiliary loss of earlier stages has no "
                     "path to the pipeline schedule's loss; use model.moe.balance=bias (DeepSeek-V3's bias balancing)")

@@ -74,8 +74,6 @@ class LifecycleConfig(Section):
             raise ValueError(f"parallel.pp_split={p.pp_split} sums to {sum(p.pp_split)}, model.n_layers={m.n_layers}")
         if p.cp > 1 and t.seq_len % (2 * p.cp):
             raise ValueError(f"pretrain.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
-        if p.cp > 1 and p.cp_impl == "ulysses" and (m.n_heads // p.tp) % p.cp:
-            raise ValueError(f"Ulysses needs heads per tp rank ({m.n_heads // p.tp}) divisible by cp={p.cp}")
         unsupported = unsupported_layout(p, m)  # the rules that need the model too (the rest: ParallelConfig)
         if unsupported:
             raise ValueError(unsupported)

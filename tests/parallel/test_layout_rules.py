@@ -58,6 +58,9 @@ MODEL_REFUSED = [  # layouts this model cannot take: refused by validation and, 
      ["tie_embeddings", "pp=2"]),
     (["parallel.nproc_per_node=2", "parallel.tp=2", "model.tie_embeddings=true"], ["tie_embeddings", "tp=2"]),
     (["parallel.nproc_per_node=2", "parallel.pp=2", "pretrain.micro_batch_size=2", MOE], ["aux_loss", "balance=bias"]),
+    # Seed: Ulysses's "degree is capped by the number of KV heads" (4 query heads split over cp=2, 1 KV head does not)
+    (["parallel.nproc_per_node=2", "parallel.cp=2", "parallel.cp_impl=ulysses", "model.n_kv_heads=1"],
+     ["parallel.cp_impl=ulysses", "parallel.cp=2", "model.n_kv_heads=1", "cp_impl=ring"]),
 ]
 
 
@@ -71,6 +74,18 @@ def test_what_a_model_cannot_do_on_a_layout_is_refused_before_anything_starts(ov
     with pytest.raises(NotImplementedError) as start:
         check_supported(parallel, cfg.model)
     assert all(w in str(start.value) for w in words), str(start.value)
+
+
+def test_ulysses_is_capped_by_the_kv_heads_per_tp_rank():
+    """Refused, not served by duplicating KV heads: a copy per cp rank would multiply Ulysses's K/V
+    all-to-all bytes by cp / KV heads, and ring attention takes any cp without copies."""
+    ulysses = ["parallel.cp_impl=ulysses", "model.n_heads=8", "model.n_kv_heads=2", "model.dim=256"]
+    load_config("tiny", ulysses + ["parallel.nproc_per_node=2", "parallel.cp=2"])  # cp = KV heads: composed
+    load_config("tiny", ["model.n_heads=8", "model.dim=256", "parallel.nproc_per_node=4", "parallel.cp=4"])  # the ring
+    # tp splits the KV heads first: 2 KV heads over tp=2 leave 1 per rank, which cp=2 cannot split.
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 \(1 per tp rank\) is not divisible by cp=2"):
+        load_config("tiny", ulysses + ["parallel.nproc_per_node=4", "parallel.cp=2", "parallel.tp=2",
+                                       "parallel.zero=1"])
 
 
 @pytest.mark.parametrize("overrides", COMPOSED, ids=[f"composed{i}" for i in range(len(COMPOSED))])

@@ -58,7 +58,7 @@ def test_config_refusals_name_the_problem():
     with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
         LifecycleConfig.model_validate({**tiny(nproc_per_node=4, pp=4), "pretrain": {
             "seq_len": 32, "micro_batch_size": 4, "global_batch_size": 8}})
-    with pytest.raises(ValueError, match="Ulysses needs heads"):
+    with pytest.raises(ValueError, match="model.n_kv_heads=2 .2 per tp rank. is not divisible by cp=8"):
         LifecycleConfig.model_validate({**tiny(nproc_per_node=8, cp=8, cp_impl="ulysses"), "pretrain": {
             "seq_len": 32, "micro_batch_size": 2, "global_batch_size": 8}})
     LifecycleConfig.model_validate(tiny(nproc_per_node=2, pp=2, pp_split=[3, 1]))

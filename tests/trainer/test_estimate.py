@@ -169,8 +169,9 @@ def test_collective_bytes():
     # PP: 4 micro-batches cross the one boundary forward and back; sequence parallel halves the tensor.
     assert est["comm_bytes_per_step"]["pp"] == pytest.approx(4 * 16 * MiB)
     cp = estimate_run(load_preset("seed-1b", ["parallel.cp=2", "parallel.dp=1", "pretrain.global_batch_size=8"]))
-    block = 2 * 2 * 1024 * (32 // 2) * 128 * 2  # K and V of 1,024 positions, 16 heads per tp rank
-    assert cp["comm_bytes_per_step"]["cp"] == pytest.approx(3 * 1 * block * 3 * 4)
+    block = 2 * 2 * 1024 * (32 // 2) * 128 * 2  # K and V of 1,024 positions, 16 heads per tp rank, bf16
+    # 1 hop of K/V forward and 1 backward, 2 hops of their fp32 gradients (2x the bytes); 3 layers, 4 micro-batches
+    assert cp["comm_bytes_per_step"]["cp"] == pytest.approx((2 * 1 * block + 2 * 2 * block) * 3 * 4)
     moe = estimate_run(load_preset("seed-1b-moe"))
     assert moe["comm_bytes_per_step"]["ep"] == pytest.approx(4 * (2 * 2048 * 2 * 4096 * 2) / 2 * 3 * 4)
 

@@ -165,9 +165,11 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
         pp_bytes = micro_batches * boundary * sends if p > 1 else 0.0
         kv_local = max(model.kv_heads // tp, 1) * model.head_size
         if cp > 1 and par.cp_impl == "ring":
-            # Ring attention: c - 1 hops of the K/V block forward; K/V and their gradients backward.
+            # Ring attention (context_parallel.py): c - 1 hops of the K/V block (KV heads, activation dtype)
+            # forward and again backward, plus c hops of their fp32 gradient accumulators (the last one home).
             block = 2 * mbs * s_local * kv_local * act_bytes
-            cp_bytes = 3 * (cp - 1) * block * n_layers * micro_batches
+            grad_block = 2 * mbs * s_local * kv_local * 4
+            cp_bytes = (2 * (cp - 1) * block + cp * grad_block) * n_layers * micro_batches
         elif cp > 1:
             # Ulysses: all-to-alls of q, k, v and the output forward, and of their gradients backward.
             q_local = (model.n_heads // tp) * model.head_size

@@ -10,6 +10,8 @@ algorithms (seed: "split the gradient into N chunks and pass them around a ring 
     all-gather           (d-1)/d * N
     all-to-all           (d-1)/d * N
     broadcast / scatter  N (upper bound)
+    send                 N                  (point to point: ring attention's K/V hops, pipeline
+                                             boundaries; a receive is the sender's bytes, not counted)
 
 so ZeRO-1 (reduce-scatter + all-gather) moves what DDP's all-reduce moves and ZeRO-3 (all-gather in
 forward and again in backward, reduce-scatter of gradients) 1.5x that.
@@ -31,8 +33,10 @@ KINDS = {
     "allreduce": "all_reduce", "all_reduce": "all_reduce",
     "reduce_scatter": "reduce_scatter", "allgather": "all_gather", "all_gather": "all_gather",
     "alltoall": "all_to_all", "all_to_all": "all_to_all", "broadcast": "broadcast", "scatter": "scatter",
-    "gather": "gather", "reduce": "reduce",
+    "gather": "gather", "reduce": "reduce", "send": "send",
 }
+# Point-to-point sends (isend / batch_isend_irecv dispatch c10d.send; CommDebugMode counts collectives only).
+P2P_SEND_OPS = {torch.ops.c10d.send}
 
 
 def kind_of(op_name: str) -> str:
@@ -105,7 +109,7 @@ class CommCounter(CommDebugMode):
             return NotImplemented  # let DTensor desugar into collectives first, as CommDebugMode does
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in self.comm_registry or packet in c10d_collective_ops:
+        if packet in self.comm_registry or packet in c10d_collective_ops or packet in P2P_SEND_OPS:
             self.comm_counts[packet] += 1
             self._record(str(func), args, kwargs)
         return out

@@ -12,7 +12,11 @@ Ring attention (Liu et al. 2023): each rank keeps its queries; K/V blocks travel
 send/recv, one hop per step, overlapped with the tile computations. Partial results of the tiles are
 merged exactly with the online-softmax rule (FlashAttention): for two partial outputs o1, o2 with
 log-sum-exps l1, l2, l = log(e^l1 + e^l2) and o = o1 e^(l1-l) + o2 e^(l2-l). The backward pass is a
-second ring in which K, V travel together with their gradient accumulators dK, dV.
+second ring: K, V travel again, and behind them their gradient accumulators dK, dV, one hop more to
+reach their owner. K/V travel as the model's KV heads (each query head group meets its KV head on
+arrival, never expanded), in the compute dtype: a hop is 2 x kv_heads x head_dim x local_seq x batch
+elements. As in FlashAttention, the matmuls run in the compute dtype (bf16 under autocast or with a
+bf16 model), forward and backward alike, while scores, softmax statistics and accumulators are fp32.
 
 Ulysses (Jacobs et al. 2023): an all-to-all turns sequence-sharded q/k/v into head-sharded full
 sequences, plain causal attention runs per head group, and a second all-to-all turns the result
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import MicroBatch
+from ..model.transformer import compute_dtype
 from .mesh import ParallelDims
 
 # ------------------------------------------------------------------------------------- zigzag layout
@@ -81,12 +86,41 @@ def tile_counts(cp: int, layout: str = "zigzag") -> list[int]:
 # ------------------------------------------------------------------------------------- ring attention
 
 
-def _tile(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
-    """Scaled scores of one tile [B, H, c, c], the diagonal tile causally masked."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+def _matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b in the matmul dtype: both inputs rounded to `dtype`, the products summed and returned in
+    fp32 (a bf16 GEMM with an fp32 accumulator, as tensor cores and FlashAttention run it). The forward
+    and the backward both multiply through here, so the backward differentiates the forward that ran.
+    A bf16 value is exact in fp32, so the fp32 matmul of the rounded inputs has the same products."""
+    if dtype != torch.float32:
+        a, b = a.to(dtype).float(), b.to(dtype).float()
+    return torch.matmul(a, b)
+
+
+def _grouped_chunks(x: torch.Tensor, kv_heads: int) -> list[torch.Tensor]:
+    """[B, H, S, ...] -> the two zigzag chunks, each [B, K, g*c, ...] with the g = H/K query heads of
+    one KV head stacked along the rows (HF's repeat_kv order), so that a tile against a [B, K, c, d]
+    K/V block is one batched matmul and K/V are never expanded to H heads."""
+    B, H, S, *rest = x.shape
+    g = H // kv_heads
+    return [t.reshape(B, kv_heads, g * (S // 2), *rest) for t in x.view(B, kv_heads, g, S, *rest).chunk(2, dim=3)]
+
+
+def _ungrouped(chunks: list[torch.Tensor], heads: int) -> torch.Tensor:
+    """Inverse of _grouped_chunks: two [B, K, g*c, ...] -> [B, H, 2c, ...]."""
+    B, K, gc, *rest = chunks[0].shape
+    g = heads // K
+    x = torch.cat([t.view(B, K, g, gc // g, *rest) for t in chunks], dim=3)
+    return x.view(B, heads, 2 * (gc // g), *rest)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Scaled fp32 scores of one tile [B, K, g*c, c] (q [B, K, g*c, d], k [B, K, c, d]); the diagonal
+    tile causally masked (row r is position r mod c of its chunk)."""
+    s = _matmul(q, k.transpose(-1, -2), dtype) * scale
     if diagonal:
         c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1).repeat(s.shape[-2] // c, 1)
+        s = s.masked_fill(future, float("-inf"))
     return s
 
 
@@ -106,93 +140,101 @@ class _Ring:
         return dist.batch_isend_irecv(ops), recv
 
 
+def _wait(pending):
+    works, recv = pending
+    for w in works:
+        w.wait()
+    return recv
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """Causal attention over the zigzag-sharded sequence. q, k, v [B, H, S_local, d] (k, v already
-    expanded to H heads); returns [B, H, S_local, d]. `stats` (a dict) counts the tiles computed."""
+    """Causal attention over the zigzag-sharded sequence. q [B, H, S_local, d], k, v [B, K, S_local, d]
+    (K KV heads, each shared by H/K query heads); returns [B, H, S_local, d] in q's dtype. `stats` (a
+    dict) counts the tiles computed.
+
+    Precision (FlashAttention's): the matmuls run in the compute dtype (autocast's when it is on, else
+    q's: bf16 for a bf16 model), forward and backward alike; scores, the online softmax's log-sum-exps,
+    the output accumulator and the gradient accumulators are fp32. K/V travel as K heads in the compute
+    dtype; the travelling dK/dV accumulators in fp32 (summed over cp hops, as torch's context_parallel
+    does by default)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, stats):
         ring = _Ring(group)
         cp, r = ring.size, ring.rank
+        dtype = compute_dtype(q)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        dtype = q.dtype
-        qs = q.float().chunk(2, dim=2)
-        own = zigzag_chunks(cp, r)
-        outs = [torch.zeros_like(x) for x in qs]
-        lses = [torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=x.device) for x in qs]
-        kv = torch.stack([k.float(), v.float()])  # travels the ring as one buffer
-        tiles = 0
-        for step in range(cp):
-            pending = ring.start(kv) if step < cp - 1 else None
-            held = zigzag_chunks(cp, (r - step) % cp)
-            ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for a in range(2):
-                for b in range(2):
-                    if own[a] < held[b]:
-                        continue  # wholly in the causal mask's future: not computed
-                    s = _tile(qs[a], ks[b], scale, own[a] == held[b])
-                    lse_t = torch.logsumexp(s, dim=-1)
-                    o_t = torch.matmul(torch.exp(s - lse_t[..., None]), vs[b])
-                    lse = torch.logaddexp(lses[a], lse_t)  # the online-softmax merge
-                    outs[a] = outs[a] * torch.exp(lses[a] - lse)[..., None] + o_t * torch.exp(lse_t - lse)[..., None]
-                    lses[a] = lse
-                    tiles += 1
-            if pending is not None:
-                works, kv = pending
-                for w in works:
-                    w.wait()
+        K = k.shape[1]
+        with torch.autocast(q.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
+            kv = torch.stack([k.to(dtype), v.to(dtype)])  # travels the ring as one buffer: [2, B, K, S, d]
+            qs = _grouped_chunks(q.to(dtype), K)
+            own = zigzag_chunks(cp, r)
+            outs = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in qs]
+            lses = [torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=x.device) for x in qs]
+            held_kv, tiles = kv, 0
+            for step in range(cp):
+                pending = ring.start(held_kv) if step < cp - 1 else None  # the next hop overlaps these tiles
+                held = zigzag_chunks(cp, (r - step) % cp)
+                ks, vs = held_kv[0].chunk(2, dim=2), held_kv[1].chunk(2, dim=2)
+                for a in range(2):
+                    for b in range(2):
+                        if own[a] < held[b]:
+                            continue  # wholly in the causal mask's future: not computed
+                        s = _scores(qs[a], ks[b], scale, own[a] == held[b], dtype)
+                        lse_t = torch.logsumexp(s, dim=-1)
+                        o_t = _matmul(torch.exp(s - lse_t[..., None]), vs[b], dtype)
+                        lse = torch.logaddexp(lses[a], lse_t)  # the online-softmax merge, in fp32
+                        outs[a] = (outs[a] * torch.exp(lses[a] - lse)[..., None]
+                                   + o_t * torch.exp(lse_t - lse)[..., None])
+                        lses[a] = lse
+                        tiles += 1
+                if pending is not None:
+                    held_kv = _wait(pending)
         if stats is not None:
             stats["tiles"] = stats.get("tiles", 0) + tiles
-        out = torch.cat(outs, dim=2)
-        lse = torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.dtype = group, dtype
-        return out.to(dtype)
+        out = _ungrouped(outs, q.shape[1])
+        ctx.save_for_backward(q.to(dtype), kv, out, _ungrouped(lses, q.shape[1]))
+        ctx.group, ctx.dtype, ctx.in_dtypes = group, dtype, (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         cp, r = ring.size, ring.rank
+        dtype, K = ctx.dtype, kv.shape[2]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        d_out = d_out.float()
-        delta = (d_out * out).sum(dim=-1)  # D_i = sum_j dO_ij O_ij (FlashAttention backward)
-        qs, dos = q.float().chunk(2, dim=2), d_out.chunk(2, dim=2)
-        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        own = zigzag_chunks(cp, r)
-        dqs = [torch.zeros_like(x) for x in qs]
-        # K, V and their gradient accumulators travel together: [k, v, dk, dv].
-        buf = torch.stack([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
-                           torch.zeros_like(v, dtype=torch.float32)])
-        for step in range(cp):
-            held = zigzag_chunks(cp, (r - step) % cp)
-            ks, vs = buf[0].chunk(2, dim=2), buf[1].chunk(2, dim=2)
-            dk, dv = buf[2], buf[3]
-            dks, dvs = dk.chunk(2, dim=2), dv.chunk(2, dim=2)  # views: accumulate in place
-            for a in range(2):
-                for b in range(2):
-                    if own[a] < held[b]:
-                        continue
-                    s = _tile(qs[a], ks[b], scale, own[a] == held[b])
-                    p = torch.exp(s - lses[a][..., None])
-                    dvs[b].add_(torch.matmul(p.transpose(-1, -2), dos[a]))
-                    dp = torch.matmul(dos[a], vs[b].transpose(-1, -2))
-                    ds = p * (dp - deltas[a][..., None])
-                    dqs[a].add_(torch.matmul(ds, ks[b]) * scale)
-                    dks[b].add_(torch.matmul(ds.transpose(-1, -2), qs[a]) * scale)
-            # After the last step the accumulators still need one hop to reach their owner.
-            works, buf = ring.start(buf if step < cp - 1 else buf[2:])
-            for w in works:
-                w.wait()
-        dq = torch.cat(dqs, dim=2)
-        return dq.to(ctx.dtype), buf[0].to(ctx.dtype), buf[1].to(ctx.dtype), None, None
-
-
-def _expand_kv(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[B, K, S, d] -> [B, H, S, d]: KV head j serves query heads j*H/K .. (j+1)*H/K - 1 (HF's repeat_kv);
-    autograd sums the copies' gradients back."""
-    groups = q.shape[1] // x.shape[1]
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+        with torch.autocast(q.device.type, enabled=False):
+            d_out = d_out.to(dtype).float()  # dO enters the matmuls in the matmul dtype, so D must see the same
+            delta = (d_out * out).sum(dim=-1)  # D_i = sum_j dO_ij O_ij (FlashAttention backward), fp32
+            qs, dos = _grouped_chunks(q, K), _grouped_chunks(d_out, K)
+            lses, deltas = _grouped_chunks(lse, K), _grouped_chunks(delta, K)
+            own = zigzag_chunks(cp, r)
+            dqs = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in qs]
+            held_kv = kv
+            # dK, dV of the block held: fp32, they travel with it and reach their owner after cp hops.
+            acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for step in range(cp):
+                pending = ring.start(held_kv) if step < cp - 1 else None
+                held = zigzag_chunks(cp, (r - step) % cp)
+                ks, vs = held_kv[0].chunk(2, dim=2), held_kv[1].chunk(2, dim=2)
+                dks, dvs = acc[0].chunk(2, dim=2), acc[1].chunk(2, dim=2)  # views: accumulate in place
+                for a in range(2):
+                    for b in range(2):
+                        if own[a] < held[b]:
+                            continue
+                        p = torch.exp(_scores(qs[a], ks[b], scale, own[a] == held[b], dtype) - lses[a][..., None])
+                        dvs[b].add_(_matmul(p.transpose(-1, -2), dos[a], dtype))
+                        dp = _matmul(dos[a], vs[b].transpose(-1, -2), dtype)
+                        ds = p * (dp - deltas[a][..., None])
+                        dqs[a].add_(_matmul(ds, ks[b], dtype) * scale)
+                        dks[b].add_(_matmul(ds.transpose(-1, -2), qs[a], dtype) * scale)
+                acc = _wait(ring.start(acc))
+                if pending is not None:
+                    held_kv = _wait(pending)
+        dq = _ungrouped(dqs, q.shape[1])
+        q_dtype, k_dtype, v_dtype = ctx.in_dtypes
+        return dq.to(q_dtype), acc[0].to(k_dtype), acc[1].to(v_dtype), None, None
 
 
 class RingAttention:
@@ -203,7 +245,7 @@ class RingAttention:
         self.stats: dict[str, int] = {}
 
     def __call__(self, q, k, v):
-        return RingAttentionFunction.apply(q, _expand_kv(q, k), _expand_kv(q, v), self.group, self.stats)
+        return RingAttentionFunction.apply(q, k, v, self.group, self.stats)
 
     def __deepcopy__(self, memo):  # process groups cannot be copied; the copy shares the group
         return RingAttention(self.group)
@@ -251,9 +293,8 @@ class UlyssesAttention:
         return torch.argsort(zig)
 
     def __call__(self, q, k, v):
-        H, K = q.shape[1], k.shape[1]
-        if K % self.cp:  # too few KV heads to split: give every query head its own copy first
-            k, v = _expand_kv(q, k), _expand_kv(q, v)
+        if k.shape[1] % self.cp:  # refused before anything starts (infra.config.parallel.unsupported_layout)
+            raise ValueError(f"Ulysses splits the {k.shape[1]} KV heads over cp={self.cp} ranks; they do not divide")
         y = F.scaled_dot_product_attention(self._to_heads(q), self._to_heads(k), self._to_heads(v), is_causal=True,
                                            enable_gqa=q.shape[1] != k.shape[1])
         return self._to_sequence(y)
@@ -287,8 +328,8 @@ def apply_context_parallel(model: nn.Module, group, impl: str, hook_targets: lis
         raise ValueError(f"parallel.cp_impl={impl!r}; expected ring or ulysses")
     for m in model.modules():
         if isinstance(m, Attention):
-            if impl == "ulysses" and m.n_heads % cp:
-                raise ValueError(f"Ulysses needs n_heads={m.n_heads} (per tp rank) divisible by cp={cp}")
+            if impl == "ulysses" and m.n_kv_heads % cp:
+                raise ValueError(f"Ulysses needs model.n_kv_heads={m.n_kv_heads} divisible by parallel.cp={cp}")
             m.attention_fn = RingAttention(group) if impl == "ring" else UlyssesAttention(group)
     for target in hook_targets if hook_targets is not None else [model]:
         target.register_forward_pre_hook(_zigzag_positions_hook(cp, rank), with_kwargs=True)
