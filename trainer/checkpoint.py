@@ -47,6 +47,8 @@ from torch import nn
 from infra.config.train import CheckpointConfig
 from infra.store import ChecksumMismatch, FileStore, Store, StoreError, join_key, sha256_file
 
+from .parallel.mesh import new_group
+
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
 FORMAT = "eightfold-dcp-1"
@@ -222,7 +224,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Checkpoint collectives run in a background thread; on their own gloo group they can never
         # interleave with the training loop's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.group = new_group(backend="gloo") if self.world > 1 else None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.staging = Path(staging_dir) / f"attempt-{attempt}-{os.getpid() if self.world == 1 else 'job'}"
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
