@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -51,7 +52,7 @@ from .parallel.mesh import new_group
 
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
-FORMAT = "eightfold-dcp-1"
+FORMAT = "eightfold-dcp-2"  # 2: RNG states as tensors, loaded weights-only
 
 
 
@@ -78,8 +79,18 @@ def parse_step(name: str) -> int | None:
 
 # --- what goes into a checkpoint -------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    """Every random-number generator a rank draws from, so a resumed rank continues the same streams."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every random-number generator a rank draws from, so a resumed rank continues the same streams.
+    Tensors and plain Python values only (numpy's and Python's states taken apart into them), so the
+    file loads with torch.load(weights_only=True): nothing in it is unpickled into an object."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},  # None or a float
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -87,10 +98,38 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n, p = state["numpy"], state["python"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RefusedFile(ValueError):
+    """A checkpoint file that holds more than tensors and plain containers: not loaded."""
+
+
+def load_plain(path: Path, name: str) -> Any:
+    """torch.load(weights_only=True) of a stored file: tensors, numbers, strings and containers are
+    rebuilt, anything else is refused before it is built, so whoever can write the bucket cannot run
+    code on the nodes that load it (a full unpickle would call whatever the file names). `name` (the
+    file's URI) goes into the error."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise RefusedFile(
+            f"{name}: refused to load: it holds more than tensors and plain containers (tampered with, or "
+            f"written before checkpoint format {FORMAT}): {_weights_only_reason(exc)}") from exc
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The one line of torch's weights-only error that says what was refused (the rest advises
+    loading the file unsafely)."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].split(" Please use", 1)[0].strip()
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _uses_own_state_dict(optimizer) -> bool:
@@ -384,10 +423,10 @@ class Checkpointer:
                     f"checkpoint step {chosen.step} was saved on {chosen.manifest.get('world_size')} rank(s) "
                     f"{chosen.manifest.get('layout')}; this job's rank-local optimizer ({type(optimizer).__name__}) "
                     f"needs the same layout ({self.world} ranks {self.layout}) to resume")
-            optimizer.load_state_dict(torch.load(shard, weights_only=False))
+            optimizer.load_state_dict(load_plain(shard, self.store.url(join_key(chosen.key, "optim", shard.name))))
         rng = folder / "rng" / f"rank{self.rank}.pt"
         if chosen.manifest.get("world_size") == self.world and rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng, self.store.url(join_key(chosen.key, "rng", rng.name))))
         self.last_committed, self.last_step = self.store.url(chosen.key), chosen.step
         if self.rank == 0:
             saved = chosen.manifest.get("layout", {})
@@ -440,5 +479,5 @@ def staged_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-__all__ = ["Checkpointer", "Committed", "committed_steps", "fetch_verified", "latest_uri", "prune",
-           "read_manifest", "rng_state", "set_rng_state", "step_dir"]
+__all__ = ["Checkpointer", "Committed", "RefusedFile", "committed_steps", "fetch_verified", "latest_uri",
+           "load_plain", "prune", "read_manifest", "rng_state", "set_rng_state", "step_dir"]
