@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import random
 import shutil
 import sys
@@ -49,10 +48,12 @@ from infra.config.train import CheckpointConfig
 from infra.store import ChecksumMismatch, FileStore, Store, StoreError, join_key, sha256_file
 
 from .parallel.mesh import new_group
+from .safe_load import load_dcp, load_plain
 
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
 FORMAT = "eightfold-dcp-2"  # 2: RNG states as tensors, loaded weights-only
+_REFUSED_HINT = f"tampered with, or written before checkpoint format {FORMAT}"
 
 
 
@@ -104,32 +105,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class RefusedFile(ValueError):
-    """A checkpoint file that holds more than tensors and plain containers: not loaded."""
-
-
-def load_plain(path: Path, name: str) -> Any:
-    """torch.load(weights_only=True) of a stored file: tensors, numbers, strings and containers are
-    rebuilt, anything else is refused before it is built, so whoever can write the bucket cannot run
-    code on the nodes that load it (a full unpickle would call whatever the file names). `name` (the
-    file's URI) goes into the error."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise RefusedFile(
-            f"{name}: refused to load: it holds more than tensors and plain containers (tampered with, or "
-            f"written before checkpoint format {FORMAT}): {_weights_only_reason(exc)}") from exc
-
-
-def _weights_only_reason(exc: Exception) -> str:
-    """The one line of torch's weights-only error that says what was refused (the rest advises
-    loading the file unsafely)."""
-    for line in str(exc).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].split(" Please use", 1)[0].strip()
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _uses_own_state_dict(optimizer) -> bool:
@@ -413,8 +388,9 @@ class Checkpointer:
         if chosen is None:
             return None
         state = model_and_optim_state(model, optimizer)
-        with _one_process_ok():
-            dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
+        uri = self.store.url(chosen.key)
+        with _one_process_ok():  # nothing stored is unpickled into objects (trainer.safe_load)
+            load_dcp(state, folder, uri, process_group=self.group)
         apply_model_and_optim_state(model, optimizer, state)
         if _uses_own_state_dict(optimizer):
             shard = folder / "optim" / f"rank{self.rank}.pt"
@@ -423,10 +399,10 @@ class Checkpointer:
                     f"checkpoint step {chosen.step} was saved on {chosen.manifest.get('world_size')} rank(s) "
                     f"{chosen.manifest.get('layout')}; this job's rank-local optimizer ({type(optimizer).__name__}) "
                     f"needs the same layout ({self.world} ranks {self.layout}) to resume")
-            optimizer.load_state_dict(load_plain(shard, self.store.url(join_key(chosen.key, "optim", shard.name))))
+            optimizer.load_state_dict(load_plain(shard, f"{uri}/optim/{shard.name}", _REFUSED_HINT))
         rng = folder / "rng" / f"rank{self.rank}.pt"
         if chosen.manifest.get("world_size") == self.world and rng.is_file():
-            set_rng_state(load_plain(rng, self.store.url(join_key(chosen.key, "rng", rng.name))))
+            set_rng_state(load_plain(rng, f"{uri}/rng/{rng.name}", _REFUSED_HINT))
         self.last_committed, self.last_step = self.store.url(chosen.key), chosen.step
         if self.rank == 0:
             saved = chosen.manifest.get("layout", {})
@@ -479,5 +455,5 @@ def staged_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-__all__ = ["Checkpointer", "Committed", "RefusedFile", "committed_steps", "fetch_verified", "latest_uri",
-           "load_plain", "prune", "read_manifest", "rng_state", "set_rng_state", "step_dir"]
+__all__ = ["Checkpointer", "Committed", "committed_steps", "fetch_verified", "latest_uri", "prune",
+           "read_manifest", "rng_state", "set_rng_state", "step_dir"]

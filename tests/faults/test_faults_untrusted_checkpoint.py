@@ -1,12 +1,14 @@
 """Nothing in a checkpoint is unpickled into objects: whoever can write the bucket must not run code on
 the nodes that load it. A planted pickle whose __reduce__ would create a marker file, put in a committed
-checkpoint as a rank's RNG file (or ZeRO-1 optimizer shard) with the manifest's size and sha256 updated
-so the checkpoint still verifies, is refused with an error naming the file, and the marker never
-appears. The RNG states stored as tensors still restore every stream exactly."""
+checkpoint as a rank's RNG file, as ZeRO-1's optimizer shard, as DCP's .metadata, or as a non-tensor
+entry (the optimizer's lr) inside DCP's shard, with the manifest's size and sha256 updated so the
+checkpoint still verifies, is refused with an error naming the file, and the marker never appears.
+The RNG states stored as tensors still restore every stream exactly."""
 
 from __future__ import annotations
 
 import pathlib
+import pickle
 import random
 
 import numpy as np
@@ -16,7 +18,8 @@ from torch import nn
 
 from infra.config.train import CheckpointConfig
 from infra.store import FileStore, join_key, sha256_file
-from trainer.checkpoint import Checkpointer, RefusedFile, fetch_verified, load_plain, read_manifest, step_dir
+from trainer.checkpoint import Checkpointer, fetch_verified, read_manifest, step_dir
+from trainer.safe_load import RefusedFile, load_plain
 
 
 class Plant:
@@ -60,19 +63,50 @@ def save_one(tmp_path, optimizer_factory) -> FileStore:
     return store
 
 
-def plant(store: FileStore, rel: str, marker: pathlib.Path) -> pathlib.Path:
-    """Replace a committed file by the malicious pickle and re-sign the manifest, as a bucket writer could."""
+def resign(store: FileStore, rel: str) -> None:
+    """Update the manifest's size and sha256 of `rel`, as a bucket writer could."""
     key = join_key("checkpoints", step_dir(1))
     path = store.local_path(key) / rel
-    torch.save(Plant(marker), path)
     manifest = read_manifest(store, 1).manifest
     manifest["files"][rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     store.put_json(manifest, join_key(key, "manifest.json"))
-    return path
+
+
+def plant(store: FileStore, rel: str, marker: pathlib.Path) -> pathlib.Path:
+    """Put the malicious pickle where `rel` is read; returns the file holding it."""
+    folder = store.local_path(join_key("checkpoints", step_dir(1)))
+    if rel == ".metadata":  # DCP's metadata is a bare pickle
+        (folder / rel).write_bytes(pickle.dumps(Plant(marker)))
+        resign(store, rel)
+        return folder / rel
+    if rel == "optim.param_groups.0.lr":  # a non-tensor entry of DCP's shard: append it, repoint the metadata
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        meta = FileSystemReader(str(folder)).read_metadata()  # the test trusts its own checkpoint
+        info = meta.storage_data[MetadataIndex(rel)]
+        shard = folder / info.relative_path
+        buf = __import__("io").BytesIO()
+        torch.save(Plant(marker), buf)
+        info.offset, info.length = shard.stat().st_size, len(buf.getvalue())
+        with open(shard, "ab") as f:
+            f.write(buf.getvalue())
+        meta.storage_meta = None
+        (folder / ".metadata").write_bytes(pickle.dumps(meta))
+        resign(store, info.relative_path), resign(store, ".metadata")
+        planted = folder.parent / "planted.pt"
+        planted.write_bytes(buf.getvalue())
+        return planted
+    torch.save(Plant(marker), folder / rel)
+    resign(store, rel)
+    return folder / rel
 
 
 OPTIMIZERS = {"rng/rank0.pt": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-              "optim/rank0.pt": lambda m: RankLocalOptimizer()}
+              "optim/rank0.pt": lambda m: RankLocalOptimizer(),
+              ".metadata": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+              "optim.param_groups.0.lr": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}
+NAMED = {"optim.param_groups.0.lr": "refused to load entry 'optim.param_groups.0.lr'"}  # else the file
 
 
 @pytest.mark.parametrize("rel", sorted(OPTIMIZERS))
@@ -84,13 +118,18 @@ def test_planted_pickle_is_refused_and_never_runs(tmp_path, rel):
 
     fresh = Tiny()
     ck = Checkpointer(store, CheckpointConfig(), tmp_path / "load", {"world_size": 1})
-    with pytest.raises(RefusedFile, match=f"checkpoints/{step_dir(1)}/{rel}: refused to load") as err:
+    expected = NAMED.get(rel, f"checkpoints/{step_dir(1)}/{rel}: refused to load")
+    with pytest.raises(RefusedFile, match=expected.replace(".", r"\.")) as err:
         ck.load_latest(fresh, OPTIMIZERS[rel](fresh))
-    assert "Unsupported global" in str(err.value)  # torch's reason, without its advice to load unsafely
+    assert "Unsupported global" in str(err.value) or "pathlib.Path.touch" in str(err.value) or \
+        "builtins.getattr" in str(err.value), err.value  # says what was refused
     assert not marker.exists()
 
     # The payload is real: a full unpickle (what loading did before) runs it.
-    torch.load(path, weights_only=False)
+    if rel == ".metadata":
+        pickle.loads(path.read_bytes())
+    else:
+        torch.load(path, weights_only=False)
     assert marker.exists()
 
 
