@@ -7,6 +7,7 @@ The RNG states stored as tensors still restore every stream exactly."""
 
 from __future__ import annotations
 
+import io
 import pathlib
 import pickle
 import random
@@ -86,14 +87,15 @@ def plant(store: FileStore, rel: str, marker: pathlib.Path) -> pathlib.Path:
         meta = FileSystemReader(str(folder)).read_metadata()  # the test trusts its own checkpoint
         info = meta.storage_data[MetadataIndex(rel)]
         shard = folder / info.relative_path
-        buf = __import__("io").BytesIO()
+        buf = io.BytesIO()
         torch.save(Plant(marker), buf)
         info.offset, info.length = shard.stat().st_size, len(buf.getvalue())
         with open(shard, "ab") as f:
             f.write(buf.getvalue())
         meta.storage_meta = None
         (folder / ".metadata").write_bytes(pickle.dumps(meta))
-        resign(store, info.relative_path), resign(store, ".metadata")
+        resign(store, info.relative_path)
+        resign(store, ".metadata")
         planted = folder.parent / "planted.pt"
         planted.write_bytes(buf.getvalue())
         return planted

@@ -38,7 +38,8 @@ def reports(tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.distributed
 def test_every_group_has_the_configured_timeout(reports):
     for rank, report in reports.items():
-        assert report["timeouts"] == {g: TIMEOUT_S for g in ("default", "tp", "dp", "checkpoint", "ep", "flattened")}, rank
+        groups = ("default", "tp", "dp", "checkpoint", "ep", "flattened")
+        assert report["timeouts"] == {g: TIMEOUT_S for g in groups}, rank
 
 
 @pytest.mark.distributed
@@ -51,7 +52,8 @@ def test_a_rank_that_never_joins_fails_its_peers_after_the_timeout(reports):
         # The first member to time out closes its connections, so the others may fail on that.
         assert any("timed out" in r["error"].lower() for r in results), (phase, results)
         for r in results:
-            assert not r["ok"] and ("timed out" in r["error"].lower() or "closed by peer" in r["error"].lower()), (phase, r)
+            error = r["error"].lower()
+            assert not r["ok"] and ("timed out" in error or "closed by peer" in error), (phase, r)
             # Every member waited the configured timeout, not torch's 30 min nor our own 60 s CPU
             # default; the upper margin covers a loaded 2-core machine.
             assert 0.9 * TIMEOUT_S <= r["seconds"] < 4 * TIMEOUT_S, (phase, r)
