@@ -47,9 +47,14 @@ from torch import nn
 from infra.config.train import CheckpointConfig
 from infra.store import ChecksumMismatch, FileStore, Store, StoreError, join_key, sha256_file
 
+from .parallel.mesh import new_group
+from .safe_load import load_dcp, load_plain
+
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
-FORMAT = "eightfold-dcp-2"  # 2: optimizer state flattened per parameter (_state_dict_options)
+# 2: optimizer state flattened per parameter (_state_dict_options); RNG states as tensors, loaded weights-only
+FORMAT = "eightfold-dcp-2"
+_REFUSED_HINT = f"tampered with, or written before checkpoint format {FORMAT}"
 
 
 
@@ -76,8 +81,18 @@ def parse_step(name: str) -> int | None:
 
 # --- what goes into a checkpoint -------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
-    """Every random-number generator a rank draws from, so a resumed rank continues the same streams."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every random-number generator a rank draws from, so a resumed rank continues the same streams.
+    Tensors and plain Python values only (numpy's and Python's states taken apart into them), so the
+    file loads with torch.load(weights_only=True): nothing in it is unpickled into an object."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},  # None or a float
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -85,8 +100,10 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n, p = state["numpy"], state["python"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -232,7 +249,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         # Checkpoint collectives run in a background thread; on their own gloo group they can never
         # interleave with the training loop's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.group = new_group(backend="gloo") if self.world > 1 else None
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.staging = Path(staging_dir) / f"attempt-{attempt}-{os.getpid() if self.world == 1 else 'job'}"
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -382,8 +399,9 @@ class Checkpointer:
         if chosen is None:
             return None
         state = model_and_optim_state(model, optimizer)
-        with _one_process_ok():
-            dcp.load(state, checkpoint_id=str(folder), process_group=self.group)
+        uri = self.store.url(chosen.key)
+        with _one_process_ok():  # nothing stored is unpickled into objects (trainer.safe_load)
+            load_dcp(state, folder, uri, process_group=self.group)
         apply_model_and_optim_state(model, optimizer, state)
         if _uses_own_state_dict(optimizer):
             shard = folder / "optim" / f"rank{self.rank}.pt"
@@ -392,10 +410,10 @@ class Checkpointer:
                     f"checkpoint step {chosen.step} was saved on {chosen.manifest.get('world_size')} rank(s) "
                     f"{chosen.manifest.get('layout')}; this job's rank-local optimizer ({type(optimizer).__name__}) "
                     f"needs the same layout ({self.world} ranks {self.layout}) to resume")
-            optimizer.load_state_dict(torch.load(shard, weights_only=False))
+            optimizer.load_state_dict(load_plain(shard, f"{uri}/optim/{shard.name}", _REFUSED_HINT))
         rng = folder / "rng" / f"rank{self.rank}.pt"
         if chosen.manifest.get("world_size") == self.world and rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng, f"{uri}/rng/{rng.name}", _REFUSED_HINT))
         self.last_committed, self.last_step = self.store.url(chosen.key), chosen.step
         if self.rank == 0:
             saved = chosen.manifest.get("layout", {})

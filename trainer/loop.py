@@ -41,7 +41,7 @@ from .optim import clip_grad_norm, lr_at, set_lr
 from .parallel import ParallelDims, build_parallel_dims, parallelize
 from .parallel.comm_accounting import StepComm
 from .parallel.fsdp import skip_grad_sync
-from .parallel.mesh import pick_device
+from .parallel.mesh import pick_device, process_group_args
 from .parallel.zero1 import DistributedOptimizer, build_parallel_optimizer
 from .recovery import Recovery, attempt_store
 from .stragglers import Stragglers
@@ -366,14 +366,13 @@ def init_distributed(cfg: LifecycleConfig) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
     device, backend = pick_device(cfg.parallel.backend, cfg.infra.device)
-    default_timeout = 600 if device.type == "cuda" else 60
-    timeout = timedelta(seconds=cfg.parallel.collective_timeout_s or default_timeout)
-    store = attempt_store(max(timeout, timedelta(seconds=60)))  # torchrun restarts: per-attempt keys
+    args = process_group_args(cfg.parallel, backend, device)  # every later group copies its timeout
+    store = attempt_store(max(args["timeout"], timedelta(seconds=60)))  # torchrun restarts: per-attempt keys
     if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(**args)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=store,
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(**args, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def finish(spec: JobSpec, output: OutputFolder, result: JobResult) -> None:

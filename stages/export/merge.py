@@ -151,18 +151,19 @@ def load_full_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 def _load_dcp(path: Path) -> dict[str, torch.Tensor]:
     """Read only the model's tensors of a DCP checkpoint: no process group needed, and the optimizer's
     moments (twice the model's size in fp32) are never read."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    meta = FileSystemReader(str(path)).read_metadata()
+    from trainer.safe_load import MetadataReader
+
+    meta = MetadataReader(path).read_metadata()  # DCP's .metadata unpickled with an allowlist (safe_load)
     keys = {k for k, m in meta.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata) and canonical_name(k) is not None}
     if not keys:
         raise MergeError(f"DCP checkpoint {path} holds no model tensors (keys: {sorted(meta.state_dict_metadata)[:8]})")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        loaded = _load_state_dict_from_keys(keys, checkpoint_id=str(path))
+        loaded = _load_state_dict_from_keys(keys, storage_reader=MetadataReader(path))  # tensors only
     return model_weights(loaded)
 
 

@@ -379,7 +379,7 @@ def flat_group(dims: ParallelDims, names: tuple[str, ...]):
         return dims.group("dp")  # the mesh's own dp group (HSDP flattens it once, as "dp")
     key = (id(dims.mesh), present)
     if key not in _FLAT_GROUPS:
-        sub = dims.mesh[present[0]] if len(present) == 1 else dims.mesh[present]._flatten("_".join(present))
+        sub = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, "_".join(present))
         _FLAT_GROUPS[key] = sub.get_group()
     return _FLAT_GROUPS[key]
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.moe import MoE
-from .mesh import ParallelDims
+from .mesh import ParallelDims, new_group
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -123,13 +123,13 @@ def expert_groups(dims: ParallelDims, ep: int, data_group) -> tuple[object, obje
     for ranks in all_data:
         blocks = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
         for block in blocks:
-            g = dist.new_group(block)
+            g = new_group(block)
             if me in block:
                 mine[0] = g
         if len(blocks) > 1:
             for j in range(ep):
                 column = [b[j] for b in blocks]
-                g = dist.new_group(column)
+                g = new_group(column)
                 if me in column:
                     mine[1] = g
     return mine[0], mine[1]

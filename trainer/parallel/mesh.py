@@ -5,11 +5,19 @@ group talks, the closer its members must sit": tp innermost on NVLink, dp outerm
 dimensions larger than 1 are built into the mesh (as TorchTitan does), but every name stays
 resolvable: `dims.group("tp")` is None and `dims.size("tp")` is 1 when tp is off. "dp" names the
 whole data-parallel group (dp_replicate x dp_shard). Expert parallel reuses dp x cp ranks (later issue).
+
+Every process group gets `parallel.collective_timeout_s`: init_process_group gives it to the default
+group, and every group made after it (the mesh's dimensions, flattened dimensions, expert groups, the
+checkpoint's gloo group) copies the default group's timeout through `new_group` / `group_options` here.
+torch would give them its backend default instead (30 min on gloo, 10 min on nccl), so a rank hung on a
+tp or pp collective would hold its peers that long.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,7 +60,7 @@ class ParallelDims:
             return None
         if name not in self._groups:
             if name == "dp" and self.dp_replicate > 1 and self.dp_shard > 1:
-                self._groups[name] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+                self._groups[name] = self.flatten(("dp_replicate", "dp_shard"), "dp").get_group()
             elif name == "dp":
                 self._groups[name] = self.mesh["dp_replicate" if self.dp_replicate > 1 else "dp_shard"].get_group()
             else:
@@ -68,6 +76,14 @@ class ParallelDims:
         if missing:
             raise KeyError(f"mesh dimension(s) {missing} are not in the mesh {self.mesh.mesh_dim_names} (size 1?)")
         return self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+
+    def flatten(self, names: tuple[str, ...], name: str):
+        """The 1-D mesh over the mesh dimensions `names` flattened into one, called `name` (a new
+        process group unless it spans the whole world, which is the default group)."""
+        sub = self.mesh[names[0]] if len(names) == 1 else self.mesh[names]
+        size = sub.size()
+        override = group_options() if size < dist.get_world_size() else None
+        return sub._flatten(name, backend_override=override)
 
     def group_names(self) -> dict[str, str]:
         """Process-group name -> dimension name for every dimension larger than 1 (for accounting).
@@ -125,10 +141,62 @@ def build_parallel_dims(parallel: ParallelConfig, device_type: str) -> ParallelD
     if world > 1 and active:
         from torch.distributed.device_mesh import init_device_mesh
 
+        # A dimension spanning the whole world reuses the default group (torch does so only without
+        # an override); every other dimension's groups get the collective timeout.
+        override = {n: group_options() for n, s in active if s < world}
         dims.mesh = init_device_mesh(
-            device_type, tuple(s for _, s in active), mesh_dim_names=tuple(n for n, _ in active)
+            device_type, tuple(s for _, s in active), mesh_dim_names=tuple(n for n, _ in active),
+            backend_override=override or None,
         )
     return dims
+
+
+# --- process groups and their timeout -------------------------------------------------------------
+def collective_timeout(parallel: ParallelConfig, device_type: str) -> timedelta:
+    """`parallel.collective_timeout_s`, or 600 s on GPU and 60 s on CPU."""
+    return timedelta(seconds=parallel.collective_timeout_s or (600 if device_type == "cuda" else 60))
+
+
+def process_group_args(parallel: ParallelConfig, backend: str, device: torch.device) -> dict:
+    """init_process_group's arguments. On CUDA the group is bound to this rank's GPU (device_id): NCCL
+    creates its communicator at once instead of at the first collective, on the right device, and the
+    mesh's groups are split from it (ncclCommSplit) rather than each built from scratch."""
+    args = {"backend": backend, "timeout": collective_timeout(parallel, device.type)}
+    if device.type == "cuda":
+        args["device_id"] = torch.device("cuda", device.index if device.index is not None
+                                         else int(os.environ.get("LOCAL_RANK", "0")))
+    return args
+
+
+def group_timeout() -> timedelta:
+    """The default process group's timeout (what init_process_group was given): every later group
+    copies it. Read from the group itself, so a job, a test or a benchmark that joined the world with
+    its own timeout passes that one on."""
+    pg = dist.distributed_c10d._get_default_group()
+    device = pg.bound_device_id or torch.device(pg._device_types[0])
+    return pg._get_backend(device).options._timeout
+
+
+def group_options(backend: str | None = None):
+    """Backend options that carry the collective timeout, for DeviceMesh's `backend_override` (the
+    mesh passes their `_timeout` on to new_group / split_group)."""
+    backend = backend or dist.get_backend()
+    timeout = group_timeout()
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # new_group's own default for NCCL
+    else:
+        from torch._C._distributed_c10d import Backend as C10dBackend
+
+        options = C10dBackend.Options(backend, timeout)
+    options._timeout = timeout
+    return options
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None):
+    """dist.new_group with the collective timeout. Every rank calls it for every group, in the same
+    order (new_group's rule)."""
+    return dist.new_group(ranks, timeout=group_timeout(), backend=backend)
 
 
 def pick_device(backend: str = "auto", device: str = "auto") -> tuple[torch.device, str]:
@@ -141,8 +209,6 @@ def pick_device(backend: str = "auto", device: str = "auto") -> tuple[torch.devi
                            f"{torch.cuda.is_available()})")
     use_cuda = torch.cuda.is_available() and device != "cpu" and backend != "gloo"
     if use_cuda:
-        import os
-
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
