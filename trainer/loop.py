@@ -43,6 +43,7 @@ from .parallel.comm_accounting import StepComm
 from .parallel.fsdp import skip_grad_sync
 from .parallel.mesh import pick_device, process_group_args
 from .parallel.zero1 import DistributedOptimizer, build_parallel_optimizer
+from .precision import autocast_for
 from .recovery import Recovery, attempt_store
 from .stragglers import Stragglers
 
@@ -71,19 +72,6 @@ class LanguageModelling:
         # The LM head runs fused with the loss when it can (trainer/loss.py HeadLoss): no full logits.
         targets = batch.targets.to(device, non_blocking=True)
         return model(batch.inputs.to(device, non_blocking=True), head=HeadLoss(targets, z_loss=self.z_loss))
-
-
-def autocast_for(precision: str, device: torch.device):
-    """bf16: matmuls in bf16 under autocast, fp32 parameters (the master weights), fp32 gradients and
-    fp32 AdamW moments: 4 + 4 + 8 = 16 bytes per parameter of persistent state, plus a transient
-    bf16 copy of each weight (2 bytes) cached from forward to backward. Gradients are always
-    accumulated in fp32 here, so `fp32_grad_accum` is inherent (the seed's 18-byte Megatron layout
-    stores 2-byte bf16 weights beside the 4-byte master instead of this transient copy)."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    raise ValueError(f"precision={precision!r}; expected fp32 or bf16")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -29,20 +29,25 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (fp32 moments: the parameters are fp32 masters) or plain SGD (for parity tests).
+    """AdamW or plain SGD (for parity tests). fp32 parameters are their own masters; bf16 ones get fp32
+    masters in the optimizer (trainer.precision.MasterWeights), so the moments are fp32 either way.
 
-    The fused AdamW kernel is used where torch has one for every parameter's device and dtype
-    (CUDA, and CPU in recent torch); otherwise the multi-tensor (`foreach`) path."""
+    The fused AdamW kernel is used where torch has one for the device (CUDA, and CPU in recent torch);
+    otherwise the multi-tensor (`foreach`) path."""
+    from .precision import MasterAdamW, MasterSGD
+
     groups = param_groups(model, cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr)
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params)
+    masters = any(p.dtype != torch.float32 for p in params)
+    if cfg.optimizer == "sgd":
+        return (MasterSGD if masters else torch.optim.SGD)(groups, lr=cfg.lr)
+    adamw = MasterAdamW if masters else torch.optim.AdamW
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)  # the kernel sees fp32 masters
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     try:
-        return torch.optim.AdamW(groups, fused=fused, **kwargs)
+        return adamw(groups, fused=fused, **kwargs)
     except (RuntimeError, TypeError):  # a torch without a fused kernel for this device
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+        return adamw(groups, foreach=True, **kwargs)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -18,8 +18,10 @@ from trainer.checkpoint import Checkpointer, committed_steps, read_manifest, ste
 from trainer.faults import damage_checkpoint
 
 
-def test_stop_and_resume_is_bit_identical(byte_tokens, tmp_path):
-    whole = job(tmp_path, byte_tokens, "whole", steps=6, checkpoint={"every": 3})
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stop_and_resume_is_bit_identical(byte_tokens, tmp_path, precision):
+    """bf16: bf16 weights in the model, fp32 masters and moments in the checkpoint's optimizer state."""
+    whole = job(tmp_path, byte_tokens, "whole", steps=6, checkpoint={"every": 3}, precision=precision)
     res = run_in_process(whole)
     assert res.status == "completed" and res.checkpoint.endswith("checkpoints/step_00000006")
     out = Path(whole.output)
@@ -29,7 +31,7 @@ def test_stop_and_resume_is_bit_identical(byte_tokens, tmp_path):
     assert {".metadata", "rng/rank0.pt"} <= set(manifest["files"])
 
     # The same job stopped after step 3: only the step-3 checkpoint exists; resuming trains 4..6.
-    stopped = job(tmp_path, byte_tokens, "stopped", steps=6, checkpoint={"every": 3})
+    stopped = job(tmp_path, byte_tokens, "stopped", steps=6, checkpoint={"every": 3}, precision=precision)
     shutil.copytree(out / "checkpoints" / step_dir(3), Path(stopped.output) / "checkpoints" / step_dir(3))
     res2 = run_in_process(stopped)
     assert res2.status == "completed" and res2.steps == 6
@@ -39,6 +41,13 @@ def test_stop_and_resume_is_bit_identical(byte_tokens, tmp_path):
     assert_equal_weights(checkpoint_weights(res2.checkpoint, stopped.config),
                          checkpoint_weights(res.checkpoint, whole.config))
 
+    if precision == "bf16":  # what the model holds is bf16; the fp32 masters ride in the optimizer state
+        saved = metadata(out, 6)
+        weights = {k: m.properties.dtype for k, m in saved.items() if k.startswith("model.")}
+        masters = {k: m.properties.dtype for k, m in saved.items() if k.startswith("optim.state.") and k.endswith(".master")}
+        assert set(weights.values()) == {torch.bfloat16} and set(masters.values()) == {torch.float32}
+        assert {k.removeprefix("model.") for k in weights} == {k[len("optim.state."):-len(".master")] for k in masters}
+        return
     # The export stage finds the committed checkpoint through result.json (its contract).
     from stages.export.merge import find_checkpoint, load_full_state_dict
 
@@ -49,6 +58,12 @@ def test_stop_and_resume_is_bit_identical(byte_tokens, tmp_path):
     assert len(common) >= len(mine) // 2
     for k in common:
         assert torch.equal(full[k], mine[k]), k
+
+
+def metadata(out: Path, step: int) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(out / "checkpoints" / step_dir(step))).read_metadata().state_dict_metadata
 
 
 class Tiny(nn.Module):

@@ -8,11 +8,13 @@ model."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from infra.config.parallel import ParallelConfig
 from infra.config.train import TrainConfig
 
+from ..precision import cast_parameters
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .context_parallel import apply_context_parallel, data_context_group
@@ -33,6 +35,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
     zero=0; ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). Returns the module to train
     (the DDP wrapper, or `model` itself)."""
     check_supported(parallel, getattr(model, "cfg", None))
+    fsdp = parallel.zero >= 2 and dims.dp_shard > 1
+    if train.precision == "bf16" and not fsdp:  # FSDP2 keeps fp32 shards as masters and gathers bf16 (fsdp.py)
+        cast_parameters(model, torch.bfloat16)  # bf16 weights; fp32 masters in the optimizer (trainer/precision.py)
     if parallel.tp > 1:  # tensor (+ sequence, vocab) parallel: tensor_parallel.py
         apply_tensor_parallel(model, dims, parallel.sequence_parallel)
     apply_activation_checkpointing(model, train.activation_checkpointing)
@@ -48,8 +53,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
     if parallel.cp > 1:
         parts = model.pipeline.parts if parallel.pp > 1 else [model]
         apply_context_parallel(model, dims.group("cp"), parallel.cp_impl, hook_targets=parts)
-    if parallel.zero >= 2 and dims.dp_shard > 1:  # ZeRO-2/3 and HSDP: fsdp.py (ZeRO-1 is the optimizer: zero1.py)
-        model = apply_fsdp(model, dims, parallel.zero, train.precision)
+    if fsdp:  # ZeRO-2/3 and HSDP: fsdp.py (ZeRO-1 is the optimizer: zero1.py)
+        model = apply_fsdp(model, dims, parallel.zero, train.precision, reduce_fp32=train.fp32_grad_accum)
     elif parallel.pp == 1 and data_group is not None and parallel.zero == 0:
         model = apply_ddp(model, dims, bucket_mb=parallel.bucket_mb, group=data_group, ignore=experts)
     return model

@@ -30,12 +30,15 @@ def dp_mesh(dims: ParallelDims):
     raise ValueError(f"FSDP needs dp_shard > 1 (got dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard})")
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str) -> nn.Module:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, reduce_fp32: bool = False) -> nn.Module:
     if zero not in (2, 3):
         raise ValueError(f"apply_fsdp: zero={zero}; FSDP implements stages 2 and 3")
     mesh = dp_mesh(dims)
-    # bf16: weights all-gathered and computed in bf16, gradients reduced in fp32, fp32 master shards.
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # bf16: fp32 parameter shards are the masters; weights all-gathered and computed in bf16; gradients
+    # reduce-scattered in bf16 (the seed's 2 bytes), or fp32 with `fp32_grad_accum` (Megatron's
+    # grad_reduce_in_fp32), and kept as fp32 shards for the optimizer.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                               reduce_dtype=torch.float32 if reduce_fp32 else torch.bfloat16)
           if precision == "bf16" else MixedPrecisionPolicy())
     reshard = zero == 3
     for block in model.layers.values():

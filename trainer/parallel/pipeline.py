@@ -301,7 +301,8 @@ def pipeline_train_step(model: nn.Module, optimizer, micro_batches, objective, c
     `dp_group` is the dp x cp group the token count is agreed over (the loop's argument)."""
     import statistics
 
-    from ..loop import StepResult, autocast_for
+    from ..loop import StepResult
+    from ..precision import autocast_for
     from ..loss import moe_layers
     from ..model.moe import imbalance
     from ..optim import lr_at, set_lr
@@ -389,8 +390,8 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
     """Token-weighted validation cross-entropy: each batch walks the chunks in order, the hidden
     states sent point to point between the ranks holding consecutive chunks (no schedule: evaluation
     is rare and every schedule, zero-bubble ones included, shares this path)."""
-    from ..loop import autocast_for
     from ..loss import cross_entropy_sum
+    from ..precision import autocast_for
 
     pipe: Pipeline = model.pipeline
     pp_rank = dist.get_rank(pipe.pp_group)
@@ -400,6 +401,7 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
     owner = {c: r for r in range(pp) for c in chunks_of_rank(r, pp, virtual, pipe.schedule_name)}
     local = dict(zip(pipe.chunk_ids, pipe.parts))
     shard = getattr(objective, "shard", None)
+    wire = torch.bfloat16 if precision == "bf16" else torch.float32  # hidden states between stages
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device)  # ce, z, tokens
@@ -413,7 +415,7 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
                 h = mb.inputs.to(device)
             elif owner[c - 1] != pp_rank:
                 b, seq = mb.inputs.shape
-                h = torch.empty(b, seq // pipe.sequence_shards, model.cfg.dim, device=device)
+                h = torch.empty(b, seq // pipe.sequence_shards, model.cfg.dim, device=device, dtype=wire)
                 dist.recv(h, dist.get_global_rank(pipe.pp_group, owner[c - 1]), group=pipe.pp_group)
             with autocast_for(precision, device):
                 h = local[c](h)
@@ -421,7 +423,7 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
                 part = cross_entropy_sum(h, mb.targets.to(device), z_loss=pipe.z_loss)
                 sums += torch.stack([part.ce_sum.float(), part.z_sum.float(), part.tokens.float()])
             elif owner[c + 1] != pp_rank:
-                dist.send(h.float().contiguous(), dist.get_global_rank(pipe.pp_group, owner[c + 1]), group=pipe.pp_group)
+                dist.send(h.to(wire).contiguous(), dist.get_global_rank(pipe.pp_group, owner[c + 1]), group=pipe.pp_group)
     model.train(was_training)
     sums = _global_sums(sums, pipe.data_group, pipe.pp_group)
     return float(sums[0] / sums[2].clamp_min(1.0))
