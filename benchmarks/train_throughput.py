@@ -6,10 +6,11 @@ change in machine load hits all three alike; figures are medians over the timed 
 warm-up. MFU uses the seed's model FLOPs (trainer.metrics.flops_per_token) over the best bf16
 matmul FLOP/s measured by a probe at start. Prints one JSON line.
 
-Baselines: the plain step is the shortest one written by hand (torch.optim.AdamW with its defaults);
-Hugging Face's model runs as a user gets it (sdpa attention, the same autocast, fp32 logits into
-cross-entropy) with the optimizer its Trainer builds by default (fused AdamW on torch >= 2.8), so
-neither side is credited for the optimizer kernel.
+Ours holds its weights as the trainer does under bf16 (bf16 parameters, fp32 masters in the optimizer:
+trainer/precision.py). Baselines: the plain step is the shortest one written by hand (torch.optim.AdamW
+with its defaults); Hugging Face's model runs as a user gets it (fp32 weights, sdpa attention, the same
+autocast, fp32 logits into cross-entropy) with the optimizer its Trainer builds by default (fused AdamW on
+torch >= 2.8), so neither side is credited for the optimizer kernel.
 
     python -m benchmarks.train_throughput [--dim 512 --layers 4 --seq 256 --batch 8 --rounds 6]
 """
@@ -35,6 +36,7 @@ from trainer.loop import LanguageModelling, train_step
 from trainer.metrics import flops_per_token, measure_peak_flops
 from trainer.model import Transformer
 from trainer.optim import build_optimizer
+from trainer.precision import cast_parameters
 
 
 # --- the plain step: the shortest correct Llama training step one would write by hand ----------------
@@ -166,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     batch = [MicroBatch(inputs, targets, np.arange(args.batch))]
 
     ours = Transformer(cfg)
+    if args.precision == "bf16":  # as the trainer holds it: bf16 weights, fp32 masters in the optimizer
+        cast_parameters(ours, torch.bfloat16)
     ours_opt = build_optimizer(ours, train)
     plain = PlainLlama(cfg)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     hf = hf_model(cfg)
-    hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v for k, v in ours.state_dict().items()})
+    hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v.float() for k, v in ours.state_dict().items()})
     # As Hugging Face's Trainer builds it: its default `optim` is "adamw_torch_fused" on torch >= 2.8
     # (transformers TrainingArguments), i.e. torch's fused AdamW, the kernel our optimizer uses too.
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile:
         from trainer.parallel.compile import apply_compile
 
-        compiled = Transformer(cfg)
+        compiled = cast_parameters(Transformer(cfg), dtype)
         compiled.load_state_dict(ours.state_dict())
         apply_compile(compiled)
         compiled_opt = build_optimizer(compiled, train)

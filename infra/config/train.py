@@ -50,7 +50,8 @@ class TrainConfig(Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="global-norm clip; 0 disables")
     precision: Literal["fp32", "bf16"] = "bf16"
-    fp32_grad_accum: bool = Field(False, description="accumulate gradients in fp32 (18 bytes/param, Megatron)")
+    fp32_grad_accum: bool = Field(False, description="bf16: accumulate and reduce gradients in an fp32 buffer (Megatron's "
+                                  "grad_reduce_in_fp32: 18 bytes/param); false: bf16 gradients on the wire (16)")
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     compile: bool = False
     log_every: int = Field(1, ge=1)

@@ -8,6 +8,7 @@ torchrun for every layout of one world size in a single launch (process start + 
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from trainer.parallel.comm_accounting import CommCounter
 from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes
 
 VOCAB, SEQ, GLOBAL, MICRO, STEPS = 320, 16, 8, 2, 5  # tokenizer.vocab_size >= 300
+DATA_SEED = int(os.environ.get("PAR1_DATA_SEED", 1000))  # other values: the margin measurements of QUALITY_ASSERTIONS.md
 ACTS_STEP = 2  # the step whose per-layer activation statistics are recorded (not the collectives-counted one)
 
 # name -> parallel: overrides (world size = dp * tp)
@@ -39,19 +41,23 @@ LAYOUTS = {
     "tp2_zero1_dp2": {"tp": 2, "dp": 2, "zero": 1},
     "ddp4": {"dp": 4},
     "tp2_fsdp_dp2": {"tp": 2, "dp": 2, "zero": 3},  # TP inside FSDP on a 2-D (dp_shard, tp) mesh
-    "tp2_fsdp_dp2_bf16": {"tp": 2, "dp": 2, "zero": 3},
-    "one_bf16": {},
+    "zero1_dp2_fp32acc": {"dp": 2, "zero": 1},  # bf16 only: with pretrain.fp32_grad_accum (TRAIN below)
 }
-BF16 = {"tp2_fsdp_dp2_bf16", "one_bf16"}  # bf16 autocast + FSDP's bf16 mixed-precision policy
+TRAIN = {"zero1_dp2_fp32acc": {"fp32_grad_accum": True}}  # pretrain: overrides
+BF16 = "_bf16"  # a layout's name with this suffix: the same layout with pretrain.precision bf16
+
+
+def layout(name: str) -> dict:
+    return LAYOUTS[name.removesuffix(BF16)]
 
 
 def world_of(name: str) -> int:
-    p = LAYOUTS[name]
+    p = layout(name)
     return p.get("dp", 1) * p.get("tp", 1)
 
 
 def config(name: str, optimizer: str, bucket_mb: float = 0.02) -> LifecycleConfig:
-    p = {"nproc_per_node": world_of(name), "bucket_mb": bucket_mb, **LAYOUTS[name]}
+    p = {"nproc_per_node": world_of(name), "bucket_mb": bucket_mb, **layout(name)}
     return LifecycleConfig.model_validate({
         "name": "par1", "seed": 0,
         "model": {"vocab_size": VOCAB, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
@@ -60,14 +66,15 @@ def config(name: str, optimizer: str, bucket_mb: float = 0.02) -> LifecycleConfi
         "parallel": p,
         "pretrain": {"steps": STEPS, "seq_len": SEQ, "micro_batch_size": MICRO, "global_batch_size": GLOBAL,
                      "lr": 1e-2 if optimizer == "adamw" else 0.5, "warmup_steps": 1, "optimizer": optimizer,
-                     "precision": "bf16" if name in BF16 else "fp32", "grad_clip": 1.0, "peak_flops": 1e11},
+                     "precision": "bf16" if name.endswith(BF16) else "fp32", "grad_clip": 1.0, "peak_flops": 1e11,
+                     **TRAIN.get(name.removesuffix(BF16), {})},
     })
 
 
 def global_rows(step: int) -> torch.Tensor:
     """The step's global batch [GLOBAL, SEQ + 1]: a learnable pattern (a fixed random walk over the
     vocabulary) so losses fall, the same on every rank and layout."""
-    g = torch.Generator().manual_seed(1000 + step)
+    g = torch.Generator().manual_seed(DATA_SEED + step)
     start = torch.randint(0, VOCAB, (GLOBAL, 1), generator=g)
     steps = torch.randint(1, 4, (GLOBAL, SEQ + 1), generator=g).cumsum(1)
     return (start + steps) % VOCAB
@@ -124,7 +131,7 @@ def run_all(names: list[str]) -> dict:
     """AdamW (losses, one step's collectives) and SGD (weights) per layout; the bf16 layouts and the
     dp=4 DDP baseline (accounting and memory only) AdamW only."""
     return {n: {"adamw": run(n, "adamw", count_step=1),
-                **({} if n in BF16 | {"ddp4"} else {"sgd": run(n, "sgd")})} for n in names}
+                **({} if n.endswith(BF16) or n == "ddp4" else {"sgd": run(n, "sgd")})} for n in names}
 
 
 def main(out_file: str, names: list[str]) -> None:

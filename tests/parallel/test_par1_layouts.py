@@ -18,10 +18,12 @@ sys.path.insert(0, str(HERE))
 
 import par1_worker as W  # noqa: E402
 
-WORLD2 = ["ddp2", "zero1_dp2", "zero2_dp2", "tp2", "tp2_sp"]
-WORLD4 = ["ddp4", "zero1_dp4", "zero3_dp4", "hsdp_2x2", "tp2_zero1_dp2", "tp2_fsdp_dp2", "tp2_fsdp_dp2_bf16"]
 PARITY = ["ddp2", "zero1_dp2", "zero1_dp4", "zero2_dp2", "zero3_dp4", "hsdp_2x2", "tp2", "tp2_sp", "tp2_zero1_dp2",
           "tp2_fsdp_dp2"]
+BF16 = [n + W.BF16 for n in PARITY + ["zero1_dp2_fp32acc"]]  # every parity layout again in bf16
+WORLD2 = ["ddp2", "zero1_dp2", "zero2_dp2", "tp2", "tp2_sp"] + [n for n in BF16 if W.world_of(n) == 2]
+WORLD4 = ["ddp4", "zero1_dp4", "zero3_dp4", "hsdp_2x2", "tp2_zero1_dp2", "tp2_fsdp_dp2"] + \
+    [n for n in BF16 if W.world_of(n) == 4]
 L, B, S, H = 2, W.MICRO, W.SEQ, 48  # layers, micro-batch rows, sequence, model dim (par1_worker.config)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -43,7 +45,7 @@ def launch(tmp: Path, names: list[str]) -> dict:
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("par1")
     torch.set_num_threads(1)
-    out = W.run_all(["one", "one_bf16"])
+    out = W.run_all(["one", "one" + W.BF16])
     out.update(launch(tmp, WORLD2))
     out.update(launch(tmp, WORLD4))
     return out
@@ -174,14 +176,41 @@ def test_fewer_kv_heads_than_tp_is_refused():
     check_tp(cfg, 2)
 
 
-def test_tp_inside_fsdp_in_bf16_tracks_one_process_bf16(results):
-    """The composition with bf16: FSDP's bf16 parameters and TP's DTensors on a 2-D mesh. bf16 rounds
-    differently on a different split, so the bar is bf16's, not fp32's."""
-    ref = torch.tensor(results["one_bf16"]["adamw"]["losses"])
-    got = torch.tensor(results["tp2_fsdp_dp2_bf16"]["adamw"]["losses"])
-    assert torch.isfinite(got).all() and got[-1] < got[0]
-    torch.testing.assert_close(got, ref, rtol=2e-2, atol=0)
-    fp32 = torch.tensor(results["one"]["adamw"]["losses"])
-    assert not torch.equal(got, fp32)  # it really ran in bf16
+def bf16_distance(a: list[float], b: list[float]) -> float:
+    return float((torch.tensor(a) - torch.tensor(b)).abs().div(torch.tensor(b).abs()).max())
+
+
+@pytest.mark.parametrize("layout", PARITY + ["zero1_dp2_fp32acc"])
+def test_layout_in_bf16_tracks_one_process_bf16(results, layout):
+    """bf16 parity: the layout with bf16 weights (FSDP: bf16 compute over fp32 shards) against one process
+    in bf16, losses within bf16's epsilon (2^-7, relative). A layout sums in another order, and once an
+    update rounds one weight the other way the runs part by about what bf16 rounding does: one process's
+    own bf16-vs-fp32 distance m was 3.7e-4..8.7e-4 over 3 data seeds, the layouts' 1.4e-4..1.8e-3 (TP,
+    whose matmuls split their sums, the largest): 77% of the bound left. The fp32 suite above is the exact
+    check of each layout's mathematics; this one that bf16 weights, masters and wires train the same model.
+    The layout must also really run in bf16: further than m / 100 from the fp32 losses."""
+    one, one_bf16 = results["one"]["adamw"]["losses"], results["one_bf16"]["adamw"]["losses"]
+    got = results[layout + W.BF16]["adamw"]["losses"]
+    m = bf16_distance(one_bf16, one)
+    assert all(torch.isfinite(torch.tensor(got))) and got[-1] < got[0]
+    assert bf16_distance(got, one_bf16) <= torch.finfo(torch.bfloat16).eps, (got, one_bf16, m)
+    assert bf16_distance(got, one) > m / 100
+
+
+def test_bf16_weights_and_wire(results):
+    """bf16 weights where the model holds them and bf16 on the wire: DDP's and ZeRO-1's gradient
+    buckets and ZeRO-1's parameter all-gather carry 2 bytes per value; FSDP gathers bf16 from fp32 shards."""
+    for name in ("ddp2", "zero1_dp2", "tp2_zero1_dp2"):
+        grads = [r for r in big(results[name + W.BF16]["adamw"]["comm"]) if r["dim"] == "dp"]
+        assert grads and all(r["element_size"] == 2 for r in grads), (name, grads)
     dims = {r["dim"] for r in results["tp2_fsdp_dp2_bf16"]["adamw"]["comm"]}
     assert {"tp", "dp"} <= dims
+
+
+def test_fp32_grad_accum_reduces_in_fp32_and_gathers_bf16(results):
+    """fp32_grad_accum (Megatron's grad_reduce_in_fp32): micro-batches sum in an fp32 buffer and ZeRO-1
+    reduce-scatters it in fp32; the updated weights still all-gather in bf16."""
+    dp = [r for r in big(results["zero1_dp2_fp32acc" + W.BF16]["adamw"]["comm"]) if r["dim"] == "dp"]
+    sizes = {(r["kind"], r["element_size"]) for r in dp}
+    assert ("reduce_scatter", 4) in sizes and ("all_gather", 2) in sizes, sizes
+    assert not {k for k, size in sizes if size == 2} & {"reduce_scatter"}

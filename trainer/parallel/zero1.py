@@ -109,6 +109,12 @@ class DistributedOptimizer:
         if current:
             self.buckets.append(self._bucket(current, size))
         self._shards: list[torch.Tensor] | None = None
+        # The wire (Megatron's grad_reduce_in_fp32): gradients reduce-scatter in the parameters' dtype (bf16:
+        # the seed's 2 bytes), or accumulate and reduce in an fp32 buffer with fp32_grad_accum (18 bytes).
+        self.fp32_grads = cfg.fp32_grad_accum and any(p.dtype != torch.float32 for _, p in named)
+        if self.fp32_grads:
+            for _, p in named:
+                p.register_post_accumulate_grad_hook(accumulate_in_fp32)
         segments = [s for b in self.buckets for s in b.segments] + self.experts
         decay = [s.master for s in segments if s.param.dim() >= 2]
         no_decay = [s.master for s in segments if s.param.dim() < 2]
@@ -145,6 +151,7 @@ class DistributedOptimizer:
         for b in self.buckets:
             for _, p, _ in b.params:
                 p.grad = None
+                p.main_grad = None
             for s in b.segments:
                 s.master.grad = None
         for s in self.experts:
@@ -187,16 +194,17 @@ class DistributedOptimizer:
         shards, works = [], []
         for b in self.buckets:
             ref = local(b.params[0][1])
-            flat = torch.zeros(b.padded, dtype=torch.float32, device=ref.device)
+            dtype = torch.float32 if self.fp32_grads else ref.dtype
+            flat = torch.zeros(b.padded, dtype=dtype, device=ref.device)
             for _, p, offset in b.params:
-                if p.grad is not None:
-                    g = p.grad
+                g = getattr(p, "main_grad", None) if self.fp32_grads else p.grad
+                if g is not None:
                     if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
                         # e.g. the row-split embedding's gradient comes back in another layout
                         g = g.redistribute(p.device_mesh, p.placements)
                     g = local(g)
                     flat[offset:offset + g.numel()].copy_(g.reshape(-1))
-            out = torch.empty(b.shard, dtype=torch.float32, device=ref.device)
+            out = torch.empty(b.shard, dtype=dtype, device=ref.device)
             works.append(dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True))
             shards.append(out)
         for w in works:
@@ -246,6 +254,8 @@ class DistributedOptimizer:
     def _all_gather_params(self, shards: list[torch.Tensor]) -> None:
         works, fulls = [], []
         for b, shard in zip(self.buckets, shards):
+            dtype = local(b.params[0][1]).dtype  # the updated weights go out in the model's dtype (bf16)
+            shard = shard if shard.dtype == dtype else torch.empty(b.shard, dtype=dtype, device=shard.device)
             shard.zero_()
             for s in b.segments:
                 shard[s.shard_offset:s.shard_offset + s.length].copy_(s.master)
@@ -284,6 +294,16 @@ class DistributedOptimizer:
         """Bytes of optimizer state (moments, momentum) this rank holds."""
         return sum(t.numel() * t.element_size() for st in self.inner.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def accumulate_in_fp32(p: torch.Tensor) -> None:
+    """After each micro-batch's gradient lands in `p.grad` (bf16): add it to the fp32 buffer `p.main_grad`
+    and free the bf16 one, so micro-batches sum in fp32 (Megatron's main_grad)."""
+    if p.grad is None:
+        return
+    g = p.grad.to(torch.float32)
+    p.main_grad = g if getattr(p, "main_grad", None) is None else p.main_grad.add_(g)
+    p.grad = None
 
 
 def optimizer_state_bytes(optimizer) -> int:
