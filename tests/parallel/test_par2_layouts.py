@@ -35,13 +35,13 @@ MOE_BIAS = {**MOE, "moe": {**MOE["moe"], "balance": "bias", "bias_update_rate": 
 
 
 def config(model: dict, optimizer: str, world: int = 1, steps: int = STEPS, global_batch: int = 8,
-           **parallel) -> dict:
+           precision: str = "fp32", **parallel) -> dict:
     base = {
         "name": "par2-test", "seed": 0, "model": model, "tokenizer": {"vocab_size": VOCAB},
         "parallel": {"nproc_per_node": world, **parallel},
         "infra": {"health_check": False},
         "pretrain": {"steps": steps, "seq_len": 32, "micro_batch_size": 2, "global_batch_size": global_batch,
-                     "lr": 3e-3 if optimizer == "adamw" else 0.3, "warmup_steps": 1, "precision": "fp32",
+                     "lr": 3e-3 if optimizer == "adamw" else 0.3, "warmup_steps": 1, "precision": precision,
                      "peak_flops": 1e11, "optimizer": optimizer, "grad_clip": 1.0},
     }
     return LifecycleConfig.model_validate(base).model_dump(mode="json")
@@ -154,6 +154,11 @@ PP2 = {  # name -> parallel settings (world 2)
     "pp2-dualpipev": dict(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2),
 }
 CP2 = {"cp2-ring": dict(cp=2, cp_impl="ring"), "cp2-ulysses": dict(cp=2, cp_impl="ulysses")}
+BF16_WORLD2 = ["pp2-1f1b-uneven", "pp2-interleaved", "cp2-ring", "cp2-ulysses", "ep2"]
+
+
+def relative_distance(a: list[float], b: list[float]) -> float:
+    return float((torch.tensor(a) - torch.tensor(b)).abs().div(torch.tensor(b).abs()).max())
 
 
 @pytest.mark.distributed
@@ -164,9 +169,15 @@ def test_world2_layouts_match_one_process(byte_tokens, tmp_path):
         for name, par in {**PP2, **CP2}.items():
             layouts[f"{name}-{opt}"] = (config(DENSE, opt, world=2, **par), "train")
         layouts[f"ep2-{opt}"] = (config(MOE, opt, world=2, dp=2, ep=2), "train")
+    for name in BF16_WORLD2:  # the same layouts with bf16 weights and fp32 masters, AdamW
+        par = {**PP2, **CP2, "ep2": dict(dp=2, ep=2)}[name]
+        layouts[f"{name}-bf16"] = (config(MOE if name == "ep2" else DENSE, "adamw", world=2, precision="bf16", **par),
+                                   "train")
     got = launch(tmp_path, byte_tokens, 2, layouts)
     ref = {(m, opt): reference(tmp_path, byte_tokens, f"{m}-{opt}", config(model, opt))
            for m, model in (("dense", DENSE), ("moe", MOE)) for opt in ("adamw", "sgd")}
+    for m, model in (("dense", DENSE), ("moe", MOE)):
+        ref[m, "bf16"] = reference(tmp_path, byte_tokens, f"{m}-bf16", config(model, "adamw", precision="bf16"))
     failures = []
     for name in [*PP2, *CP2, "ep2"]:
         kind = "moe" if any(part.startswith("ep") for part in name.split("-")) else "dense"
@@ -174,6 +185,17 @@ def test_world2_layouts_match_one_process(byte_tokens, tmp_path):
             assert_same_training(got[f"{name}-adamw"], ref[kind, "adamw"], got[f"{name}-sgd"], ref[kind, "sgd"])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
+    # bf16 parity, as tests/parallel/test_par1_layouts.py argues it: within bf16's epsilon of one process in
+    # bf16 (measured 1.5e-5..2.3e-4: pp 2.1e-5, ring 2.3e-4, Ulysses 1.5e-5, ep 1.5e-5), and really in bf16 (away from fp32 by more than 1/100 of one
+    # process's own bf16-vs-fp32 distance).
+    for name in BF16_WORLD2:
+        kind = "moe" if name == "ep2" else "dense"
+        one, one_bf16 = ref[kind, "adamw"]["losses"], ref[kind, "bf16"]["losses"]
+        m = relative_distance(one_bf16, one)
+        for rec in got[f"{name}-bf16"]:
+            d = relative_distance(rec["losses"], one_bf16)
+            if not (d <= torch.finfo(torch.bfloat16).eps and relative_distance(rec["losses"], one) > m / 100):
+                failures.append(f"{name}-bf16: {d:.3g} from one process in bf16 (m = {m:.3g})")
     assert not failures, "\n".join(failures)
     # The uneven split is the configured one; auto puts fewer layers on the head's stage.
     assert [r["counts"] for r in got["pp2-1f1b-uneven-adamw"]][0] == [5, 3]
