@@ -185,9 +185,9 @@ def test_world2_layouts_match_one_process(byte_tokens, tmp_path):
             assert_same_training(got[f"{name}-adamw"], ref[kind, "adamw"], got[f"{name}-sgd"], ref[kind, "sgd"])
         except AssertionError as e:
             failures.append(f"{name}: {str(e)[:600]}")
-    # bf16 parity, as tests/parallel/test_par1_layouts.py argues it: within bf16's epsilon of one process in
-    # bf16 (measured 1.5e-5..2.3e-4: pp 2.1e-5, ring 2.3e-4, Ulysses 1.5e-5, ep 1.5e-5), and really in bf16 (away from fp32 by more than 1/100 of one
-    # process's own bf16-vs-fp32 distance).
+    # bf16 parity, as tests/parallel/test_par1_layouts.py argues it: within bf16's epsilon of one process
+    # in bf16 (measured: pp 2.1e-5, ring 2.3e-4, Ulysses 1.5e-5, ep 1.5e-5), and really in bf16 (away
+    # from fp32 by more than 1/100 of one process's own bf16-vs-fp32 distance).
     for name in BF16_WORLD2:
         kind = "moe" if name == "ep2" else "dense"
         one, one_bf16 = ref[kind, "adamw"]["losses"], ref[kind, "bf16"]["losses"]
