@@ -61,9 +61,12 @@ _REFUSED_HINT = f"tampered with, or written before checkpoint format {FORMAT}"
 
 @contextlib.contextmanager
 def _one_process_ok():
-    """One process saving or loading is intended here (single-rank jobs, tests): quiet DCP's warning."""
+    """One process saving or loading is intended here (single-rank jobs, tests), and ZeRO-1's moments are
+    ShardedTensors on purpose (arbitrary chunks per rank, which DTensor cannot express): quiet DCP's
+    warnings about both."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
         yield
 
 
