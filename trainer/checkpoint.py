@@ -19,7 +19,10 @@ group, and (4) rank 0 writes manifest.json and prunes old checkpoints. A folder 
 or whose files do not match it (size, sha256), is never loaded: `load_latest` falls back to the
 previous committed checkpoint. Resharding: DCP stores tensors by fully-qualified name with global
 offsets, so a checkpoint saved on one mesh loads onto another; the loader position is a global
-sample index (trainer.data), so it carries over too.
+sample index (trainer.data), so it carries over too. Optimizer state is in DSD's flattened shape
+("optim.state.{fqn}.exp_avg", "optim.param_groups.{fqn}.lr"), whichever optimizer wrote it: ZeRO-1's
+moments (and fp32 masters, where they are copies) are sharded tensors of the parameters' global
+shapes (trainer.parallel.zero1_state), so plain and ZeRO-1 checkpoints load into each other.
 """
 
 from __future__ import annotations
