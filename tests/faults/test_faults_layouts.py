@@ -67,7 +67,8 @@ def test_dp_tp_exact_resume_and_reshard_to_pp_dp(byte_tokens, tmp_path):
 
 def copy_checkpoint(src, step: int, *dst) -> None:
     for spec in dst:
-        shutil.copytree(Path(src.output) / "checkpoints" / step_dir(step), Path(spec.output) / "checkpoints" / step_dir(step))
+        shutil.copytree(Path(src.output) / "checkpoints" / step_dir(step),
+                        Path(spec.output) / "checkpoints" / step_dir(step))
 
 
 def assert_resumed_like(resumed, whole, reference: dict[str, torch.Tensor]) -> dict[str, float]:
