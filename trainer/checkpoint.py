@@ -438,7 +438,8 @@ class Checkpointer:
             if getattr(optimizer, "own_masters", False) and not has_masters:
                 # Saved from fp32 weights (a plain fp32 optimizer's): ZeRO-1's fp32 masters of non-fp32
                 # parameters come from the checkpoint's weights, read at full precision.
-                load_dcp({"model": optimizer.master_state_dict()}, folder, uri, process_group=self.group)
+                masters = {"model": optimizer.master_state_dict()}
+                load_dcp(masters, folder, uri, process_group=self.group)
         apply_model_and_optim_state(model, optimizer, state)
         rng = folder / "rng" / f"rank{self.rank}.pt"
         if chosen.manifest.get("world_size") == self.world and rng.is_file():
