@@ -1,8 +1,9 @@
 """Nothing in a checkpoint is unpickled into objects: whoever can write the bucket must not run code on
 the nodes that load it. A planted pickle whose __reduce__ would create a marker file, put in a committed
-checkpoint as a rank's RNG file, as DCP's .metadata, or as a non-tensor entry (the optimizer's lr, keyed
-by parameter as every optimizer's state is, ZeRO-1's included) inside DCP's shard, with the manifest's size and sha256 updated so the
-checkpoint still verifies, is refused with an error naming the file, and the marker never appears.
+checkpoint as a rank's RNG file, as DCP's .metadata, or as a non-tensor entry (the optimizer's lr,
+keyed by parameter as every optimizer's state is, ZeRO-1's included) inside DCP's shard, with the
+manifest's size and sha256 updated so the checkpoint still verifies, is refused with an error naming
+the file, and the marker never appears.
 The RNG states stored as tensors still restore every stream exactly."""
 
 from __future__ import annotations
