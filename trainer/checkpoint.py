@@ -19,7 +19,10 @@ group, and (4) rank 0 writes manifest.json and prunes old checkpoints. A folder 
 or whose files do not match it (size, sha256), is never loaded: `load_latest` falls back to the
 previous committed checkpoint. Resharding: DCP stores tensors by fully-qualified name with global
 offsets, so a checkpoint saved on one mesh loads onto another; the loader position is a global
-sample index (trainer.data), so it carries over too.
+sample index (trainer.data), so it carries over too. Optimizer state is in DSD's flattened shape
+("optim.state.{fqn}.exp_avg", "optim.param_groups.{fqn}.lr"), whichever optimizer wrote it: ZeRO-1's
+moments (and fp32 masters, where they are copies) are sharded tensors of the parameters' global
+shapes (trainer.parallel.zero1_state), so plain and ZeRO-1 checkpoints load into each other.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch import nn
 
 from infra.config.train import CheckpointConfig
 from infra.store import ChecksumMismatch, FileStore, Store, StoreError, join_key, sha256_file
 
 from .parallel.mesh import new_group
-from .safe_load import load_dcp, load_plain
+from .safe_load import MetadataReader, load_dcp, load_plain
 
 ROOT = "checkpoints"
 MANIFEST = "manifest.json"
@@ -60,9 +64,12 @@ _REFUSED_HINT = f"tampered with, or written before checkpoint format {FORMAT}"
 
 @contextlib.contextmanager
 def _one_process_ok():
-    """One process saving or loading is intended here (single-rank jobs, tests): quiet DCP's warning."""
+    """One process saving or loading is intended here (single-rank jobs, tests), and ZeRO-1's moments are
+    ShardedTensors on purpose (arbitrary chunks per rank, which DTensor cannot express): quiet DCP's
+    warnings about both."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
         yield
 
 
@@ -109,8 +116,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _uses_own_state_dict(optimizer) -> bool:
-    """Distributed optimizers of trainer.parallel (ZeRO-1) expose state_dict()/load_state_dict() keyed by
-    global parameter names themselves (`fqn_state_dict = True`); torch optimizers go through DSD."""
+    """Distributed optimizers of trainer.parallel (ZeRO-1) give state_dict() in DSD's flattened shape
+    themselves (`fqn_state_dict = True`); torch optimizers go through DSD."""
     return bool(getattr(optimizer, "fqn_state_dict", False)) or not isinstance(optimizer, torch.optim.Optimizer)
 
 
@@ -124,14 +131,18 @@ def _state_dict_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def model_and_optim_state(model: nn.Module, optimizer) -> dict[str, Any]:
+def model_and_optim_state(model: nn.Module, optimizer, masters: bool = True) -> dict[str, Any]:
     """{"model": ..., "optim": ...} keyed by fully-qualified parameter names; DTensor (FSDP/TP) shards
-    stay sharded (torch.distributed.checkpoint.state_dict handles the wrappers)."""
+    stay sharded (torch.distributed.checkpoint.state_dict handles the wrappers), and ZeRO-1's moments
+    and masters are sharded tensors of the parameters' global shapes. `masters=False`: without
+    ZeRO-1's masters (loading a checkpoint that has none)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     state = {"model": get_model_state_dict(inner)}
-    if not _uses_own_state_dict(optimizer):  # a rank-local optimizer shard goes to optim/rankR.pt instead
+    if _uses_own_state_dict(optimizer):
+        state["optim"] = optimizer.state_dict(masters=masters)
+    else:
         state["optim"] = get_optimizer_state_dict(inner, optimizer, options=_state_dict_options())
     return state
 
@@ -145,8 +156,39 @@ def apply_model_and_optim_state(model: nn.Module, optimizer, state: dict[str, An
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     set_model_state_dict(inner, state["model"])
-    if not _uses_own_state_dict(optimizer):
+    if _uses_own_state_dict(optimizer):
+        optimizer.load_state_dict(state["optim"])
+    else:
         set_optimizer_state_dict(inner, optimizer, state["optim"], options=_state_dict_options())
+
+
+class CachedStager(AsyncStager):
+    """Stages a state dict to CPU memory allocated at the first save and reused by every later one.
+    torch's DefaultStager copies storages by deep-copy and cannot take a ShardedTensor (ZeRO-1's moments);
+    this is torch's BlockingAsyncStager with its cache, except that it pins only where there is CUDA
+    (BlockingAsyncStager always pins, which fails on a CPU-only machine)."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.cache: dict[str, Any] | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.cache is None:
+            self.cache = _create_cpu_state_dict(state_dict, pin_memory=self.pin)
+        staged = _copy_state_dict(state_dict, self.cache, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize()  # the copies have landed before training touches the sources again
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.cache = None
 
 
 # --- committed checkpoints in a store --------------------------------------------------------------
@@ -276,11 +318,6 @@ class Checkpointer:
         self._barrier()
         (local / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), local / "rng" / f"rank{self.rank}.pt")
-        if _uses_own_state_dict(optimizer):
-            # ZeRO-1's shard is rank-local (its segments of flat buckets), not keyed by parameter
-            # name: saved per rank beside DCP's files; it reloads onto the same layout only.
-            (local / "optim").mkdir(exist_ok=True)
-            torch.save(optimizer.state_dict(), local / "optim" / f"rank{self.rank}.pt")
         state = model_and_optim_state(model, optimizer)
         stats = SaveStats(step=step, stall_s=0.0)
         future = None
@@ -305,11 +342,7 @@ class Checkpointer:
         reused by every later one, so a save's stall is one device-to-host copy, not an allocation.
         Safe because a save starts only after the previous one finished reading them."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = CachedStager(pin=torch.cuda.is_available() and torch.cuda.is_initialized())
         return self._stager
 
     def _finish_guarded(self, *args) -> None:
@@ -358,8 +391,6 @@ class Checkpointer:
         if self.rank == 0:
             names.append(".metadata")
         names.append(f"rng/rank{self.rank}.pt")
-        if (local / "optim" / f"rank{self.rank}.pt").is_file():
-            names.append(f"optim/rank{self.rank}.pt")
         return sorted(names)
 
     def _remove_mine(self, local: Path, mine: list[str]) -> None:
@@ -398,19 +429,18 @@ class Checkpointer:
         chosen, folder = self._agree(chosen, folder)
         if chosen is None:
             return None
-        state = model_and_optim_state(model, optimizer)
         uri = self.store.url(chosen.key)
+        saved = MetadataReader(folder, uri).read_metadata().state_dict_metadata
+        has_masters = any(k.startswith("optim.state.") and k.endswith(".master") for k in saved)
+        state = model_and_optim_state(model, optimizer, masters=has_masters)
         with _one_process_ok():  # nothing stored is unpickled into objects (trainer.safe_load)
             load_dcp(state, folder, uri, process_group=self.group)
+            if getattr(optimizer, "own_masters", False) and not has_masters:
+                # Saved from fp32 weights (a plain fp32 optimizer's): ZeRO-1's fp32 masters of non-fp32
+                # parameters come from the checkpoint's weights, read at full precision.
+                masters = {"model": optimizer.master_state_dict()}
+                load_dcp(masters, folder, uri, process_group=self.group)
         apply_model_and_optim_state(model, optimizer, state)
-        if _uses_own_state_dict(optimizer):
-            shard = folder / "optim" / f"rank{self.rank}.pt"
-            if chosen.manifest.get("world_size") != self.world or not shard.is_file():
-                raise ValueError(
-                    f"checkpoint step {chosen.step} was saved on {chosen.manifest.get('world_size')} rank(s) "
-                    f"{chosen.manifest.get('layout')}; this job's rank-local optimizer ({type(optimizer).__name__}) "
-                    f"needs the same layout ({self.world} ranks {self.layout}) to resume")
-            optimizer.load_state_dict(load_plain(shard, f"{uri}/optim/{shard.name}", _REFUSED_HINT))
         rng = folder / "rng" / f"rank{self.rank}.pt"
         if chosen.manifest.get("world_size") == self.world and rng.is_file():
             set_rng_state(load_plain(rng, f"{uri}/rng/{rng.name}", _REFUSED_HINT))
@@ -461,6 +491,8 @@ def staged_bytes(state: dict[str, Any]) -> int:
     for v in state.values():
         if isinstance(v, dict):
             total += staged_bytes(v)
+        elif hasattr(v, "local_shards"):  # a ShardedTensor (ZeRO-1): this rank's shards
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in v.local_shards())
         elif isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
     return total

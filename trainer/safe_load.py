@@ -2,7 +2,7 @@
 able to run code on the nodes that load from it (a pickle names functions, and a full unpickle calls
 them).
 
-- `load_plain`: torch.load(weights_only=True) for our own files (RNG states, ZeRO-1 shards): tensors,
+- `load_plain`: torch.load(weights_only=True) for our own files (RNG states): tensors,
   numbers, strings and containers are rebuilt, anything else is refused before it is built.
 - `MetadataReader`: torch.distributed.checkpoint's reader, except that DCP's `.metadata` (a pickle of
   its Metadata dataclasses) is unpickled allowing only those classes, torch.Size, dtypes and paths.

@@ -1,8 +1,9 @@
 """Nothing in a checkpoint is unpickled into objects: whoever can write the bucket must not run code on
 the nodes that load it. A planted pickle whose __reduce__ would create a marker file, put in a committed
-checkpoint as a rank's RNG file, as ZeRO-1's optimizer shard, as DCP's .metadata, or as a non-tensor
-entry (the optimizer's lr) inside DCP's shard, with the manifest's size and sha256 updated so the
-checkpoint still verifies, is refused with an error naming the file, and the marker never appears.
+checkpoint as a rank's RNG file, as DCP's .metadata, or as a non-tensor entry (the optimizer's lr,
+keyed by parameter as every optimizer's state is, ZeRO-1's included) inside DCP's shard, with the
+manifest's size and sha256 updated so the checkpoint still verifies, is refused with an error naming
+the file, and the marker never appears.
 The RNG states stored as tensors still restore every stream exactly."""
 
 from __future__ import annotations
@@ -39,22 +40,6 @@ class Tiny(nn.Module):
         self.a = nn.Linear(4, 4)
 
 
-class RankLocalOptimizer:
-    """Stands for ZeRO-1: an optimizer whose state is saved per rank beside DCP's files (optim/rankR.pt)."""
-
-    fqn_state_dict = True
-
-    def __init__(self):
-        self.loaded = None
-
-    def state_dict(self) -> dict:
-        return {"inner": {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
-                "dp_size": 1, "dp_rank": 0, "segments": [("a.weight", 0, 16)]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loaded = state
-
-
 def save_one(tmp_path, optimizer_factory) -> FileStore:
     store = FileStore(tmp_path / "out")
     torch.manual_seed(0)
@@ -80,7 +65,7 @@ def plant(store: FileStore, rel: str, marker: pathlib.Path) -> pathlib.Path:
         (folder / rel).write_bytes(pickle.dumps(Plant(marker)))
         resign(store, rel)
         return folder / rel
-    if rel == "optim.param_groups.0.lr":  # a non-tensor entry of DCP's shard: append it, repoint the metadata
+    if rel == LR:  # a non-tensor entry of DCP's shard: append it, repoint the metadata
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -104,11 +89,11 @@ def plant(store: FileStore, rel: str, marker: pathlib.Path) -> pathlib.Path:
     return folder / rel
 
 
+LR = "optim.param_groups.a.weight.lr"  # optimizer state is flattened per parameter (trainer.checkpoint)
 OPTIMIZERS = {"rng/rank0.pt": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-              "optim/rank0.pt": lambda m: RankLocalOptimizer(),
               ".metadata": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-              "optim.param_groups.0.lr": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}
-NAMED = {"optim.param_groups.0.lr": "refused to load entry 'optim.param_groups.0.lr'"}  # else the file
+              LR: lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}
+NAMED = {LR: f"refused to load entry '{LR}'"}  # else the file
 
 
 @pytest.mark.parametrize("rel", sorted(OPTIMIZERS))

@@ -39,6 +39,15 @@ from infra.config.train import TrainConfig
 from .mesh import ParallelDims
 
 
+def fqn_of(model: nn.Module, name: str) -> str:
+    """A parameter's fully-qualified name as `get_model_state_dict` spells it (no activation-checkpoint
+    or compile wrapper prefixes): the key its weights and moments share in a checkpoint."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    (fqn,) = _get_fqns(model, name)
+    return fqn
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (a DTensor's local shard)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -59,6 +68,11 @@ class Segment:
     length: int
     shard_offset: int  # offset in this rank's shard of the bucket
     master: torch.Tensor  # fp32, the optimizer's "parameter"
+
+    @property
+    def own_master(self) -> bool:
+        """The master is a copy (a non-fp32 parameter), not a view of the parameter itself."""
+        return self.param.dtype != torch.float32
 
 
 @dataclass
@@ -91,6 +105,10 @@ class DistributedOptimizer:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("ZeRO-1: the model has no trainable parameters")
+        self.fqns = {n: fqn_of(model, n) for n, _ in trainable}
+        self.own_masters = any(p.dtype != torch.float32 for _, p in trainable)  # masters are copies  # the names of the model's state dict
+        self._table = None  # zero1_state.ShardTable, built at the first state_dict()
+        self._boxes: dict[int, list] = {}
         named = [(n, p) for n, p in trainable if id(p) not in local_ids]
         # Expert weights: whole, on this rank only (their gradient is already summed where needed).
         self.experts = [Segment(param=p, name=n, start=0, length=p.numel(), shard_offset=-1,
@@ -270,25 +288,111 @@ class DistributedOptimizer:
                 t.view(-1).copy_(full[offset:offset + t.numel()])
 
     # --- checkpointing ------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's shard: the inner optimizer's state (moments of the owned segments, in segment
-        order) and the layout that says which parameter ranges they are."""
-        return {
-            "inner": self.inner.state_dict(),
-            "dp_size": self.d,
-            "dp_rank": self.rank,
-            "segments": [(s.name, s.start, s.length) for s in self._all_segments()],
-        }
+    # The state is the one `get_optimizer_state_dict(model, opt, options=StateDictOptions(
+    # flatten_optimizer_state_dict=True))` gives a plain torch optimizer: "state.{fqn}.{step, exp_avg,
+    # exp_avg_sq}" and "param_groups.{fqn}.{lr, betas, ...}", keyed by the parameter's fully-qualified
+    # name, each moment a ShardedTensor of the parameter's global shape of which this rank holds its
+    # segment (zero1_state). Plus "state.{fqn}.master", the fp32 master, where it is a copy (a non-fp32
+    # parameter); a fp32 parameter is its own master and the model state holds it. So a checkpoint
+    # saved by ZeRO-1 on any mesh loads into a plain optimizer, or ZeRO-1 on another mesh, and back.
+    fqn_state_dict = True  # trainer.checkpoint: state_dict() is keyed by fqn, DCP-ready
+
+    def state_dict(self, masters: bool = True) -> dict:
+        """Views of this rank's state (DCP stages from them and loads into them in place)."""
+        from .zero1_state import sharded
+
+        self._init_state()
+        table = self._shard_table()
+        out: dict = {}
+        for s, group in self._segments_with_group():
+            st = self.inner.state.get(s.master, {})
+            shape, boxes, meta = s.param.shape, self._boxes[id(s)], table.shards(self.fqns[s.name])
+            fqn = self.fqns[s.name]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out[f"state.{fqn}.{k}"] = sharded(v, boxes, shape, meta, table.rank)
+                else:
+                    out[f"state.{fqn}.{k}"] = v
+            if masters and s.own_master:
+                out[f"state.{fqn}.master"] = sharded(s.master, boxes, shape, meta, table.rank)
+            for k, v in group.items():
+                if k != "params":
+                    out[f"param_groups.{fqn}.{k}"] = v
+        return out
+
+    def master_state_dict(self) -> dict:
+        """{fqn: the masters that are copies}, as sharded tensors of the model's shapes: a checkpoint
+        without masters (a plain optimizer's) fills them from its model weights at full precision."""
+        from .zero1_state import sharded
+
+        table = self._shard_table()
+        return {self.fqns[s.name]: sharded(s.master, self._boxes[id(s)], s.param.shape,
+                                          table.shards(self.fqns[s.name]), table.rank)
+                for s, _ in self._segments_with_group() if s.own_master}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = [(s.name, s.start, s.length) for s in self._all_segments()]
-        theirs = [tuple(x) for x in state["segments"]]
-        if state["dp_size"] != self.d or theirs != mine:
-            raise ValueError(
-                f"ZeRO-1 state for dp={state['dp_size']} rank {state['dp_rank']} does not match this layout "
-                f"(dp={self.d} rank {self.rank}); resharding optimizer state is not supported"
-            )
-        self.inner.load_state_dict(state["inner"])
+        """Copy a state_dict()-shaped dict (as filled by dcp.load) into this rank's state. Hyper-parameters
+        ("param_groups.*") stay the config's; the loop sets the learning rate every step."""
+        mine = self.state_dict(masters=any(k.endswith(".master") for k in state))
+        with torch.no_grad():
+            for key, target in mine.items():
+                if key.startswith("param_groups.") or key not in state:
+                    continue
+                src = state[key]
+                if isinstance(target, torch.Tensor) and hasattr(target, "local_shards"):
+                    for a, b in zip(target.local_shards(), src.local_shards()):
+                        if a.tensor.data_ptr() != b.tensor.data_ptr():
+                            a.tensor.copy_(b.tensor)
+                elif isinstance(target, torch.Tensor):
+                    if target is not src:
+                        target.copy_(src)
+                else:
+                    raise ValueError(f"ZeRO-1 state {key}: cannot load a {type(src).__name__}")
+            missing = [k for k in mine if k.startswith("state.") and k not in state]
+            if missing:
+                raise KeyError(f"ZeRO-1 state is missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+
+    def _segments_with_group(self):
+        group_of = {id(m): g for g in self.inner.param_groups for m in g["params"]}
+        for s in self._all_segments():
+            yield s, group_of[id(s.master)]
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """The state a first step creates (AdamW's step and moments), so a fresh optimizer has tensors
+        for dcp.load to fill: a step at lr 0 on zero gradients, which changes no master (DSD's
+        _init_optim_state does the same for plain optimizers, but skips tensors without requires_grad,
+        as the masters are). The step count goes back to 0: unloaded, the state is a fresh one.
+        """
+        if self.inner.state:
+            return
+        masters = [m for g in self.inner.param_groups for m in g["params"]]
+        for m in masters:
+            m.grad = torch.zeros_like(m)
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
+        for m in masters:
+            m.grad = None
+        for st in self.inner.state.values():  # as a fresh optimizer's first step would find it
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"].zero_()
+
+    def _shard_table(self):
+        """Which global rectangles each rank's segments are, gathered over the world at the first call
+        (every rank checkpoints at the same step); the layout never changes after."""
+        from .zero1_state import ShardTable, segment_boxes
+
+        if self._table is None:
+            self._boxes = {id(s): segment_boxes(s.param, s.start, s.length) for s in self._all_segments()}
+            mine: dict = {}
+            for s in self._all_segments():
+                mine.setdefault(self.fqns[s.name], []).extend(self._boxes[id(s)])
+            self._table = ShardTable(mine, next(self._any_param()).device)
+        return self._table
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (moments, momentum) this rank holds."""
