@@ -28,6 +28,7 @@ TRAIN = dict(steps=STEPS, checkpoint={"every": 1}, micro_batch_size=2, global_ba
 WORLD2 = {  # name -> parallel settings (2 ranks)
     "ddp2": dict(dp=2),
     "zero1-dp2": dict(dp=2, zero=1),
+    "zero1-dp2-bf16": dict(dp=2, zero=1, precision="bf16"),  # bf16 weights; sharded fp32 masters in the checkpoint
     "zero3-dp2": dict(dp=2, zero=3),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2-gpipe": dict(pp=2, pp_schedule="gpipe"),
@@ -57,10 +58,11 @@ def run_matrix(tmp: Path, tokens: Path, world: int, layouts: dict[str, dict]) ->
     for attempt, (name, par) in enumerate(layouts.items()):
         par = {**par, "nproc_per_node": world}
         dp = par.pop("dp", 1)
+        train = {**TRAIN, "precision": par.pop("precision", "fp32")}
         rank, step = plan[name]
-        whole = job(tmp, tokens, f"{name}-whole", dp=dp, parallel=par, **TRAIN)
+        whole = job(tmp, tokens, f"{name}-whole", dp=dp, parallel=par, **train)
         killed = job(tmp, tokens, f"{name}-killed", dp=dp, parallel=par,
-                     faults={"kill_rank": rank, "kill_step": step, "attempt": attempt}, **TRAIN)
+                     faults={"kill_rank": rank, "kill_step": step, "attempt": attempt}, **train)
         for spec in (whole, killed):  # a bad layout fails here, not on every restart of the launch
             spec.config["infra"]["health_check"] = False  # the pre-flight has its own tests
             LifecycleConfig.model_validate(spec.config)
