@@ -198,10 +198,13 @@ def evaluate(model: nn.Module, batches: list[MicroBatch], objective: Objective, 
     return float(sums[0] / sums[1].clamp_min(1.0))
 
 
-def build_model(cfg: LifecycleConfig, device: torch.device, seed: int) -> Transformer:
-    """Same seed on every rank, so replicas start identical (DDP also broadcasts rank 0's weights)."""
-    torch.manual_seed(seed)
-    return Transformer(cfg.model).to(device)
+def build_model(cfg: LifecycleConfig) -> Transformer:
+    """The whole model on the meta device: shapes, no memory. `parallelize(..., device=, seed=)` then
+    applies the layout's plans to it and each rank allocates and initialises only its own share, with
+    the values one process would hold there (trainer/parallel/materialize.py), so every layout starts
+    from the same weights."""
+    with torch.device("meta"):
+        return Transformer(cfg.model)
 
 
 class Trainer:
@@ -236,7 +239,8 @@ class Trainer:
                                max_batches=t.eval_batches, dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp)
             if (tokens_dir / "val").is_dir() else []
         )
-        self.model = parallelize(build_model(self.cfg, self.device, self.seed), self.dims, self.cfg.parallel, t)
+        self.model = parallelize(build_model(self.cfg), self.dims, self.cfg.parallel, t, device=self.device,
+                                 seed=self.seed)
         self.optimizer = build_parallel_optimizer(unwrap(self.model), self.dims, self.cfg.parallel, t)
         self.comm = StepComm(self.dims, enabled=not t.compile)
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
