@@ -143,3 +143,54 @@ def test_every_rank_holds_its_slice_of_the_one_process_model(tmp_path):
     assert experts[0] and experts[0].isdisjoint(experts[1])
     fsdp = got["fsdp_dp2"][1]["layers.0.mlp.up_proj.weight"]
     assert fsdp[1][0] == fsdp[0].shape[0] == refs["fsdp_dp2"]["layers.0.mlp.up_proj.weight"].shape[0] // 2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_llama3_70b_width_parallelises_within_each_ranks_share(tmp_path):
+    """Llama-3-70B's width with 2 layers (3.8B parameters: 15.3 GB in fp32, 7.6 GB in bf16) at tp=2 x pp=2
+    in bf16: each rank holds exactly its share, 1/4 of the bf16 model plus its replicated norm gains
+    (1.9 GB), and its peak RSS stays near that, far below the whole model's."""
+    import json
+
+    import psutil
+
+    import meta_70b_worker as M
+
+    if psutil.virtual_memory().available < 12 * 2**30:
+        pytest.skip("needs ~10 GB free for 4 ranks of 1.9 GB parameters each")
+    cfg = M.config()
+    whole = {n: p for n, p in build_model(cfg).named_parameters()}
+    full_fp32 = sum(p.numel() for p in whole.values()) * 4
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(HERE / "meta_70b_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    stage = {0: {"embed_tokens.weight"} | {n for n in whole if n.startswith("layers.0.")},
+             1: {"norm.weight", "lm_head.weight"} | {n for n in whole if n.startswith("layers.1.")}}
+    total = 0
+    for rec in ranks:
+        held = rec["params"]
+        assert set(held) == stage[rec["pp_rank"]], rec["rank"]
+        # a matrix is split over tp (rows or columns), a norm gain replicated; bf16 is 2 bytes
+        share = sum(whole[n].numel() // (2 if whole[n].dim() == 2 else 1) * 2 for n in held)
+        assert sum(p["bytes"] for p in held.values()) == share, rec["rank"]
+        assert all(p["dtype"] == "torch.bfloat16" and not p["is_meta"] for p in held.values())
+        total += share
+        grown = rec["peak_rss"] - rec["rss_before"]
+        print(f"rank {rec['rank']} (tp {rec['tp_rank']}, pp {rec['pp_rank']}): parameters {share / 1e9:.3f} GB, "
+              f"peak RSS {rec['peak_rss'] / 1e9:.3f} GB (+{grown / 1e9:.3f} GB over the process before building); "
+              f"whole model {full_fp32 / 1e9:.2f} GB in fp32")
+        assert grown < 1.25 * share and rec["peak_rss"] < full_fp32 / 4, rec
+        rows = torch.load(tmp_path / f"rows{rec['rank']}.pt")
+        for n, (first, last) in rows.items():  # the values are the generator's at the rank's offset
+            p, meta = whole[n], held[n]
+            std = initial_std(cfg.model, n, p.dim())
+            head = fill_initial(torch.empty(first.shape), cfg.seed, n, p.shape, std, meta["offset"])
+            tail_at = [meta["offset"][0] + meta["local_shape"][0] - 1, *meta["offset"][1:]]
+            tail = fill_initial(torch.empty(last.shape), cfg.seed, n, p.shape, std, tail_at)
+            assert torch.equal(first, head.to(first.dtype)) and torch.equal(last, tail.to(last.dtype)), n
+    norms = sum(p.numel() * 2 for p in whole.values() if p.dim() == 1)
+    assert total == sum(p.numel() * 2 for p in whole.values()) + norms  # each norm gain on both tp ranks
