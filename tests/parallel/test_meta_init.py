@@ -90,6 +90,10 @@ def test_a_meta_build_allocates_nothing_and_leaves_the_generator_alone():
     model = build_model(cfg)
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     assert torch.equal(torch.get_rng_state(), state)
+    # given a device and seed, the one-process model: the same values parallelize gives one process
+    whole = build_model(cfg, torch.device("cpu"), cfg.seed)
+    one = W.held("one")
+    assert all(torch.equal(p, one[n][0]) for n, p in whole.named_parameters()) and len(one) == len(whole.state_dict())
 
 
 def reference(layout: str) -> dict[str, torch.Tensor]:
