@@ -108,7 +108,7 @@ def measure(name: str, a: argparse.Namespace) -> dict:
     cfg = config(name, a)
     t = cfg.pretrain
     dims = build_parallel_dims(cfg.parallel, "cpu")
-    model = parallelize(build_model(cfg, torch.device("cpu"), cfg.seed), dims, cfg.parallel, t)
+    model = parallelize(build_model(cfg), dims, cfg.parallel, t, device=torch.device("cpu"), seed=cfg.seed)
     opt = build_parallel_optimizer(unwrap(model), dims, cfg.parallel, t)
     objective, dp_group = LanguageModelling(), dims.group("dp")
     if dims.cp > 1:  # each rank its zigzag share; gradients and tokens over dp x cp

@@ -41,6 +41,7 @@ from .optim import clip_grad_norm, lr_at, set_lr
 from .parallel import ParallelDims, build_parallel_dims, parallelize
 from .parallel.comm_accounting import StepComm
 from .parallel.fsdp import skip_grad_sync
+from .parallel.materialize import materialize
 from .parallel.mesh import pick_device, process_group_args
 from .parallel.zero1 import DistributedOptimizer, build_parallel_optimizer
 from .precision import autocast_for
@@ -198,10 +199,18 @@ def evaluate(model: nn.Module, batches: list[MicroBatch], objective: Objective, 
     return float(sums[0] / sums[1].clamp_min(1.0))
 
 
-def build_model(cfg: LifecycleConfig, device: torch.device, seed: int) -> Transformer:
-    """Same seed on every rank, so replicas start identical (DDP also broadcasts rank 0's weights)."""
-    torch.manual_seed(seed)
-    return Transformer(cfg.model).to(device)
+def build_model(cfg: LifecycleConfig, device: torch.device | None = None, seed: int | None = None) -> Transformer:
+    """The whole model on the meta device: shapes, no memory. `parallelize(..., device=, seed=)` then
+    applies the layout's plans to it and each rank allocates and initialises only its own share, with
+    the values one process would hold there (trainer/parallel/materialize.py), so every layout starts
+    from the same weights. Given a device and a seed: that one-process model, materialised whole."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    if device is not None:
+        if seed is None:
+            raise ValueError("build_model: a device without a seed; the initial weights need both")
+        materialize(model, device, seed)
+    return model
 
 
 class Trainer:
@@ -236,7 +245,8 @@ class Trainer:
                                max_batches=t.eval_batches, dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp)
             if (tokens_dir / "val").is_dir() else []
         )
-        self.model = parallelize(build_model(self.cfg, self.device, self.seed), self.dims, self.cfg.parallel, t)
+        self.model = parallelize(build_model(self.cfg), self.dims, self.cfg.parallel, t, device=self.device,
+                                 seed=self.seed)
         self.optimizer = build_parallel_optimizer(unwrap(self.model), self.dims, self.cfg.parallel, t)
         self.comm = StepComm(self.dims, enabled=not t.compile)
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \

@@ -100,7 +100,7 @@ def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
     cfg = config(name, optimizer)
     t = cfg.pretrain
     dims = build_parallel_dims(cfg.parallel, "cpu")
-    model = parallelize(build_model(cfg, torch.device("cpu"), cfg.seed), dims, cfg.parallel, t)
+    model = parallelize(build_model(cfg), dims, cfg.parallel, t, device=torch.device("cpu"), seed=cfg.seed)
     opt = build_parallel_optimizer(unwrap(model), dims, cfg.parallel, t)
     objective = LanguageModelling(z_loss=cfg.model.z_loss)
     dp_group = dims.group("dp")

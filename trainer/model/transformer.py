@@ -7,14 +7,13 @@ Parameter names are Hugging Face Llama's, without the `model.` prefix.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infra.config.model import ModelConfig
 
+from .init import fill_initial, initial_std
 from .kernels import rms_norm
 from .moe import MLP, MoE
 
@@ -181,19 +180,29 @@ class Transformer(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """N(0, init_std) for matrices; the projections that write into the residual stream are scaled
-        by 1/sqrt(2 n_layers) (GPT-2) so the stream's variance does not grow with depth."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # norm weights keep their ones
-            is_out = name.endswith(("o_proj.weight", "down_proj.weight"))
-            nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)
+    def init_weights(self, seed: int | None = None, shard=None) -> None:
+        """Every parameter's initial values as a pure function of (seed, its name, the position), drawn
+        block by block (init.py: N(0, init_std) for matrices, 1/sqrt(2 n_layers) of it for o_proj and
+        down_proj, ones for norm gains); buffers reset (MoE routing biases to zero).
+
+        `seed` None draws one from torch's generator, so `torch.manual_seed` still decides. `shard(p)`,
+        when given, returns (the tensor holding p's values here, its offset in p): code that holds a
+        slice of a parameter fills just that slice with the whole model's values there. Parameters
+        still on the meta device are left alone (nothing is allocated)."""
+        if seed is None:  # drawn only for real tensors: a meta build leaves torch's generator alone
+            real = any(not p.is_meta for p in self.parameters())
+            seed = int(torch.randint(0, 2**62, (), device="cpu")) if real else 0
+        for name, p in self.named_parameters():  # a tied weight once, under its first name
+            local, offset = shard(p) if shard is not None else (p, None)
+            if not local.is_meta:
+                fill_initial(local, seed, name, p.shape, initial_std(self.cfg, name, p.dim()), offset)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Buffers' initial values (they are not random): the MoE routing biases start at zero. RoPE's
+        angles are computed in forward, not kept."""
         for m in self.modules():
-            if isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
 

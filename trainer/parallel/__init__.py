@@ -3,7 +3,8 @@
 with bucketed, overlapped gradient all-reduce; `activation_checkpoint.py` and `compile.py` wrap
 blocks in place; `tensor_parallel.py` (+ `vocab_parallel.py`) applies DTensor TP/SP plans,
 `fsdp.py` ZeRO-2/3 and HSDP, `zero1.py` the distributed optimizer, `comm_accounting.py` counts
-collectives per mesh dimension. `parallelize()` composes them in a fixed order without touching the
+collectives per mesh dimension, `materialize.py` allocates and initialises each rank's share of a
+model built on the meta device. `parallelize()` composes them in a fixed order without touching the
 model."""
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .context_parallel import apply_context_parallel, data_context_group
 from .ddp import apply_ddp
-from .expert_parallel import apply_expert_parallel
+from .expert_parallel import apply_expert_parallel, register_expert_grad_sync
 from .fsdp import apply_fsdp
 from .layouts import check_supported
+from .materialize import materialize, on_meta
 from .mesh import ParallelDims, build_parallel_dims
 from .pipeline import apply_pipeline
 from .tensor_parallel import apply_tensor_parallel
@@ -29,12 +31,19 @@ from .tensor_parallel import apply_tensor_parallel
 __all__ = ["ParallelDims", "build_parallel_dims", "parallelize"]
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig, *,
+                device: torch.device | None = None, seed: int | None = None) -> nn.Module:
     """Apply, in this order: tensor parallel (+ sequence, vocab parallel), activation checkpointing,
-    torch.compile per block, then data parallel: FSDP2 for ZeRO-2/3 and HSDP (in place), DDP for
-    zero=0; ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). Returns the module to train
-    (the DDP wrapper, or `model` itself)."""
+    torch.compile per block, expert parallel, the pipeline cut, context parallel, FSDP2 for ZeRO-2/3
+    and HSDP (in place); then, for a model built on the meta device (trainer.loop.build_model), this
+    rank's share is allocated on `device` and initialised from `seed` with the whole model's values
+    (materialize.py); then DDP for zero=0 (it broadcasts real weights). ZeRO-1 is the optimizer
+    (zero1.build_parallel_optimizer). A model already on a device (post-training's loaded base) is
+    parallelised as it is. Returns the module to train (the DDP wrapper, or `model` itself)."""
     check_supported(parallel, getattr(model, "cfg", None))
+    meta = on_meta(model)
+    if meta and (device is None or seed is None):
+        raise ValueError("parallelize: a model on the meta device needs the device and seed to materialise it on")
     fsdp = parallel.zero >= 2 and dims.dp_shard > 1
     if train.precision == "bf16" and not fsdp:  # FSDP2 keeps fp32 shards as masters and gathers bf16 (fsdp.py)
         cast_parameters(model, torch.bfloat16)  # bf16 weights; fp32 masters in the optimizer (trainer/precision.py)
@@ -48,13 +57,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
     experts = apply_expert_parallel(model, dims, parallel.ep, data_group) if parallel.ep > 1 else []
     if parallel.pp > 1:
         micro = train.global_batch_size // (train.micro_batch_size * dims.dp)
-        model = apply_pipeline(model, dims, parallel, train, data_group, micro)
+        model = apply_pipeline(model, dims, parallel, train, data_group, micro, device=device)
         model.pipeline.skip_sync = {id(p) for n, p in model.named_parameters() if n in set(experts)}
     if parallel.cp > 1:
         parts = model.pipeline.parts if parallel.pp > 1 else [model]
         apply_context_parallel(model, dims.group("cp"), parallel.cp_impl, hook_targets=parts)
     if fsdp:  # ZeRO-2/3 and HSDP: fsdp.py (ZeRO-1 is the optimizer: zero1.py)
         model = apply_fsdp(model, dims, parallel.zero, train.precision, reduce_fp32=train.fp32_grad_accum)
-    elif parallel.pp == 1 and data_group is not None and parallel.zero == 0:
+    if meta:  # only now does this rank allocate: its share, nothing else (materialize.py)
+        materialize(model, device, seed, roots=model.pipeline.parts if parallel.pp > 1 else None)
+    if experts:
+        register_expert_grad_sync(model)
+    if not fsdp and parallel.pp == 1 and data_group is not None and parallel.zero == 0:
         model = apply_ddp(model, dims, bucket_mb=parallel.bucket_mb, group=data_group, ignore=experts)
     return model

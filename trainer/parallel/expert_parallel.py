@@ -107,8 +107,17 @@ def shard_experts(moe: MoE, group, replica_group, data_size: int) -> None:
             dist.all_reduce(grad, group=replica_group)
         return grad
 
-    for p in moe.experts.parameters():
-        p.register_hook(sync)
+    moe.expert_grad_sync = sync  # registered on the parameters once they hold memory: register_expert_grad_sync
+
+
+def register_expert_grad_sync(model: nn.Module) -> None:
+    """Hook every local expert weight's gradient (see `shard_experts`). Called after the model is
+    materialised: a tensor hook lives on the tensor, and `to_empty` swaps the meta tensor out."""
+    for m in model.modules():
+        sync = getattr(m, "expert_grad_sync", None)
+        if sync is not None:
+            for p in m.experts.parameters():
+                p.register_hook(sync)
 
 
 def expert_groups(dims: ParallelDims, ep: int, data_group) -> tuple[object, object | None]:
@@ -146,7 +155,7 @@ def _all_data_groups(dims: ParallelDims, size: int) -> list[list[int]]:
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims, ep: int, data_group) -> list[str]:
     """Shard every MoE layer's experts over ep ranks; returns the names of the expert parameters,
-    which data parallel must leave alone."""
+    which data parallel must leave alone. Their gradient hooks come later (register_expert_grad_sync)."""
     if data_group is None or dist.get_world_size(data_group) % ep:
         raise ValueError(f"parallel.ep={ep} must divide the data-parallel x cp ranks "
                          f"({0 if data_group is None else dist.get_world_size(data_group)})")

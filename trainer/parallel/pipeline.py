@@ -203,9 +203,10 @@ class Pipeline:
 
 
 def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig,
-                   data_group, n_microbatches: int) -> Transformer:
+                   data_group, n_microbatches: int, device: torch.device | None = None) -> Transformer:
     """Cut `model` to this pp rank's chunks and build the schedule. Returns the local model (the
-    parameters this rank owns, full-model names) with `.pipeline` attached."""
+    parameters this rank owns, full-model names) with `.pipeline` attached. `device`: where the stages
+    run (default: the parameters' device; a model still on the meta device must name it)."""
     from torch.distributed.pipelining import PipelineStage
 
     # tied embeddings, MoE aux-loss balancing and one-chunk schedules with virtual stages are refused
@@ -216,7 +217,7 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
     starts = [sum(counts[:i]) for i in range(len(counts))]
     n_chunks = len(counts)
     chunk_ids = chunks_of_rank(pp_rank, pp, v, parallel.pp_schedule)
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     parts, stages = [], []
     # Sequence parallel: the hidden states between stages are 1/tp of the sequence (seed: "the residual
     # stream is split along the sequence"); a later stage derives the tokens' positions from the full length.
