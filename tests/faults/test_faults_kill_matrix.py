@@ -25,11 +25,13 @@ WORKER = Path(__file__).with_name("faults_kill_worker.py")
 STEPS = 5
 TRAIN = dict(steps=STEPS, checkpoint={"every": 1}, micro_batch_size=2, global_batch_size=8, warmup_steps=1)
 
-WORLD2 = {  # name -> parallel settings (2 ranks)
+DATA2 = {  # name -> parallel settings (2 ranks), data parallel
     "ddp2": dict(dp=2),
     "zero1-dp2": dict(dp=2, zero=1),
     "zero1-dp2-bf16": dict(dp=2, zero=1, precision="bf16"),  # bf16 weights; sharded fp32 masters in the checkpoint
     "zero3-dp2": dict(dp=2, zero=3),
+}
+MODEL2 = {  # model parallel
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2-gpipe": dict(pp=2, pp_schedule="gpipe"),
     "pp2-1f1b": dict(pp=2, pp_schedule="1f1b"),
@@ -89,9 +91,16 @@ def run_matrix(tmp: Path, tokens: Path, world: int, layouts: dict[str, dict]) ->
     assert log.count("SIGKILLs itself") == len(layouts) and log.count("resumed from step") >= len(layouts), log[-6000:]
 
 
-def test_every_two_rank_layout_survives_a_kill(byte_tokens, tmp_path):
-    run_matrix(tmp_path, byte_tokens, 2, WORLD2)
+@pytest.mark.timeout(1200)
+def test_every_two_rank_data_parallel_layout_survives_a_kill(byte_tokens, tmp_path):
+    run_matrix(tmp_path, byte_tokens, 2, DATA2)
 
 
+@pytest.mark.timeout(1200)
+def test_every_two_rank_model_parallel_layout_survives_a_kill(byte_tokens, tmp_path):
+    run_matrix(tmp_path, byte_tokens, 2, MODEL2)
+
+
+@pytest.mark.timeout(1200)
 def test_every_four_rank_layout_survives_a_kill(byte_tokens, tmp_path):
     run_matrix(tmp_path, byte_tokens, 4, WORLD4)
