@@ -61,7 +61,7 @@ def where(events: list[tuple], kind: str) -> list[int]:
 
 
 def unit_of(param: str) -> str:
-    """The unit whose forward first uses a parameter (the LM head's: the final norm, trainer/parallel/param_ready.py)."""
+    """The unit whose forward first uses a parameter (the LM head's: the final norm, see param_ready.py)."""
     if param.startswith("layers."):
         return ".".join(param.split(".")[:2])
     return "norm" if param.startswith(("norm.", "lm_head.")) else param.split(".")[0]
@@ -78,7 +78,8 @@ def test_zero1_reduce_scatters_during_the_last_backward(world2):
         rs = where(ev, "reduce_scatter")
         assert len(rs) == n
         assert min(rs) > micro[-1]  # the earlier micro-batch only accumulates
-        first_layer = min(i for i, e in enumerate(ev) if i > micro[-1] and e[0] == "grad" and e[1].startswith("layers.0."))
+        first_layer = min(i for i, e in enumerate(ev)
+                          if i > micro[-1] and e[0] == "grad" and e[1].startswith("layers.0."))
         last_grad = max(i for i, e in enumerate(ev) if e[0] == "grad")
         assert ev[last_grad] == ("grad", "embed_tokens.weight")  # backward ends at the first layer's input
         # the last layers' buckets leave before backward reaches the first layer; only the embedding's waits for it
