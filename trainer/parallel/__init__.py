@@ -2,9 +2,8 @@
 `mesh.py` builds the one DeviceMesh every process group comes from; `ddp.py` replicates the model
 with bucketed, overlapped gradient all-reduce; `activation_checkpoint.py` and `compile.py` wrap
 blocks in place; `tensor_parallel.py` (+ `vocab_parallel.py`) applies DTensor TP/SP plans,
-`fsdp.py` ZeRO-2/3 and HSDP, `zero1.py` the distributed optimizer (overlapped with backward and the
-next forward through `grad_ready.py` and `param_ready.py`), `grad_all_reduce.py` a pipeline stage's
-data-parallel all-reduce, `comm_accounting.py` counts collectives per mesh dimension. `parallelize()` composes them in a fixed order without touching the
+`fsdp.py` ZeRO-2/3 and HSDP, `zero1.py` the distributed optimizer, `comm_accounting.py` counts
+collectives per mesh dimension. `parallelize()` composes them in a fixed order without touching the
 model."""
 
 from __future__ import annotations
