@@ -133,6 +133,8 @@ def train_step(
             aux = moe_aux_loss(inner)
             if aux is not None:
                 loss = loss + aux / n_micro  # mean over micro-batches (and over ranks, by DDP)
+            if last and isinstance(optimizer, DistributedOptimizer):
+                optimizer.start_grad_sync_after(1)  # ZeRO-1: each bucket reduce-scatters once this backward fills it
             loss.backward()
         sums += torch.stack([part.ce_sum.detach(), part.z_sum.detach(),
                              aux.detach() / n_micro if aux is not None else torch.zeros((), device=device)])

@@ -163,6 +163,14 @@ def test_collective_bytes():
     for zero in (1, 2):  # reduce-scatter + all-gather: "the traffic equals one all-reduce"
         assert f.data_parallel_bytes(g / 2, zero, 8) == pytest.approx(f.data_parallel_bytes(g / 2, 0, 8))
     assert f.data_parallel_bytes(g / 2, 3, 8) == pytest.approx(1.5 * f.data_parallel_bytes(g / 2, 0, 8))  # "1.5x"
+    # FSDP reduce-scatters every micro-batch's gradients (ZeRO-2 keeps them sharded): m reductions per step.
+    ddp = f.data_parallel_bytes(g / 2, 0, 8)
+    assert f.data_parallel_bytes(g / 2, 2, 8, micro_batches=4, reductions=4) == pytest.approx(2.5 * ddp)
+    assert f.data_parallel_bytes(g / 2, 3, 8, micro_batches=4, reductions=4) == pytest.approx(6 * ddp)
+    hsdp1 = f.data_parallel_bytes(g / 2, 2, 4, replicate=2) - f.data_parallel_bytes(g / 2, 2, 4)
+    hsdp4 = (f.data_parallel_bytes(g / 2, 2, 4, replicate=2, reductions=4)
+             - f.data_parallel_bytes(g / 2, 2, 4, reductions=4))
+    assert hsdp1 > 0 and hsdp4 == pytest.approx(4 * hsdp1)
     est = estimate_run(load_preset("seed-1b"))
     # TP: 4 all-reduces per layer per micro-batch, 3 layers on stage 0, 4 micro-batches, ring over t=2.
     assert est["comm_bytes_per_step"]["tp"] == pytest.approx(4 * 3 * 4 * 32 * MiB)

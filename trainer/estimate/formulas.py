@@ -182,23 +182,28 @@ def ring_shard_bytes(size: float, n: int) -> float:
 
 
 def data_parallel_bytes(params: float, zero: int, n: int, *, grad_bytes: int = 2, weight_bytes: int = 2,
-                        micro_batches: int = 1, replicate: int = 1) -> float:
-    """Bytes one rank sends per step to keep `n` data-parallel ranks in step (gradients synced once a step).
+                        micro_batches: int = 1, replicate: int = 1, reductions: int = 1) -> float:
+    """Bytes one rank sends per step to keep `n` data-parallel ranks in step.
 
     ZeRO 0: all-reduce of the gradient, 2(n-1)/n G. ZeRO 1/2: reduce-scatter of the gradient and all-gather
     of the updated bf16 weights, the same bytes as one all-reduce (seed: "free memory"). ZeRO 3: the weights
     are all-gathered for every forward and every backward, plus the reduce-scatter: 1.5x DDP's traffic for
     one micro-batch (seed), and two more gathers for each further micro-batch. HSDP (`replicate` > 1)
-    all-reduces each rank's gradient shard across the replicas as well.
+    all-reduces each rank's gradient shard across the replicas as well. `reductions`: gradient
+    reduce-scatters (and HSDP all-reduces) per step, 1 where micro-batches accumulate before it (ZeRO 1,
+    FSDP inside a pipeline schedule), m for FSDP's ZeRO 2/3, which keeps gradients sharded by reducing
+    every micro-batch (trainer/parallel/fsdp.py): ZeRO 2 then moves (m + 1)/2 and ZeRO 3 3m/2 of DDP.
     """
     g, w = params * grad_bytes, params * weight_bytes
     if zero == 0:
         return ring_allreduce_bytes(g, n)
-    hsdp = hsdp_allreduce_bytes(params, grad_bytes, n, replicate)
-    if zero in (1, 2):
+    hsdp = reductions * hsdp_allreduce_bytes(params, grad_bytes, n, replicate)
+    if zero == 1:
         return ring_shard_bytes(g, n) + ring_shard_bytes(w, n) + hsdp
+    if zero == 2:
+        return reductions * ring_shard_bytes(g, n) + ring_shard_bytes(w, n) + hsdp
     if zero == 3:
-        return 2 * micro_batches * ring_shard_bytes(w, n) + ring_shard_bytes(g, n) + hsdp
+        return 2 * micro_batches * ring_shard_bytes(w, n) + reductions * ring_shard_bytes(g, n) + hsdp
     raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
 
 

@@ -149,14 +149,18 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     act_tensor = mbs * s_local * model.dim * act_bytes  # one [b, s, h] activation
     weight_bytes = per_param["weights"]
 
+    # FSDP (ZeRO 2/3) reduce-scatters every micro-batch's gradients, except inside a pipeline schedule,
+    # which holds them to the stage's last micro-batch (trainer/parallel/fsdp.py, pipeline.py).
+    reductions = micro_batches if par.zero >= 2 and p == 1 else 1
+
     def comm(st: dict) -> dict[str, float]:
         n_layers = len(st["layers"])
         moe_layers = sum(1 for i in st["layers"] if layers[i]["routed"])
         dp_bytes = f.data_parallel_bytes(st["dense_params"], par.zero, dense_shard, grad_bytes=per_param["grads"],
                                          weight_bytes=weight_bytes, micro_batches=micro_batches,
-                                         replicate=par.dp_replicate if par.zero >= 2 else 1)
+                                         replicate=par.dp_replicate if par.zero >= 2 else 1, reductions=reductions)
         dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=per_param["grads"],
-                                          weight_bytes=weight_bytes, micro_batches=micro_batches)
+                                          weight_bytes=weight_bytes, micro_batches=micro_batches, reductions=reductions)
         # TP: 2 all-reduces forward and 2 backward per layer per micro-batch (seed); sequence parallel swaps
         # each for a reduce-scatter + all-gather, the same bytes.
         tp_bytes = 4 * n_layers * micro_batches * f.ring_allreduce_bytes(act_tensor, tp)
@@ -183,8 +187,8 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
-        hsdp = (f.hsdp_allreduce_bytes(st["dense_params"], per_param["grads"], dense_shard, par.dp_replicate)
-                if par.zero >= 2 else 0.0)
+        hsdp = (reductions * f.hsdp_allreduce_bytes(st["dense_params"], per_param["grads"], dense_shard,
+                                                    par.dp_replicate) if par.zero >= 2 else 0.0)
         return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 
     per_rank_comm = [comm(st) for st in stages]

@@ -9,6 +9,15 @@ state sharded, weights gathered once per step); True frees them and gathers agai
 shards inside dp_shard and replicates across dp_replicate (HSDP). Under tensor parallel the
 parameters are already DTensors on the tp mesh and FSDP2 shards them further over dp (2-D/3-D).
 Under pipeline parallel the stage modules are the FSDP roots (see `apply_fsdp`).
+
+Gradients stay sharded through accumulation (seed: ZeRO-2 "each bucket is reduce-scattered straight
+into its owner and the rest is freed"): every micro-batch's backward reduce-scatters each unit's
+gradient as it is produced, overlapped with the earlier units' backward, and FSDP2 adds it into the
+fp32 gradient shard. The price is one reduce-scatter per micro-batch: per step, with m micro-batches
+and N bytes of gradient, ZeRO-2 moves (m + 1)/2 of DDP's 2(d-1)/d N (m reduce-scatters, one
+all-gather) and ZeRO-3 3m/2 of it (a gather in forward and in backward, and a reduce-scatter, per
+micro-batch). Holding unsharded gradients until the last micro-batch (set_requires_gradient_sync(False))
+would move less but keeps a full gradient per rank, which is ZeRO-1's memory, not ZeRO-2's.
 """
 
 from __future__ import annotations
@@ -63,23 +72,18 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
 
 @contextlib.contextmanager
 def skip_grad_sync(model: nn.Module):
-    """Accumulate this micro-batch's gradients locally: DDP's `no_sync()`, FSDP2's
-    `set_requires_gradient_sync(False)` (one reduce-scatter per step instead of one per micro-batch;
-    the price is unsharded gradients until the last micro-batch), nothing for unwrapped models
-    (ZeRO-1 communicates only in its step)."""
+    """A micro-batch before the step's last: DDP accumulates locally (`no_sync()`: its buffers are
+    whole anyway, one all-reduce per step); FSDP2 still reduce-scatters, so gradients stay sharded
+    (see the module docstring), and under ZeRO-2 keeps the weights gathered for the next micro-batch;
+    nothing for unwrapped models (ZeRO-1 communicates in its last backward and its step)."""
     if hasattr(model, "no_sync"):
         with model.no_sync():
             yield
-    elif isinstance(model, FSDPModule):
-        keep = getattr(model, "keep_gathered_for_accumulation", False)
-        model.set_requires_gradient_sync(False)
-        if keep:  # ZeRO-2: no re-gather before the next micro-batch's forward
-            model.set_reshard_after_backward(False)
+    elif isinstance(model, FSDPModule) and getattr(model, "keep_gathered_for_accumulation", False):
+        model.set_reshard_after_backward(False)  # ZeRO-2: no re-gather before the next micro-batch's forward
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
-            if keep:
-                model.set_reshard_after_backward(True)
+            model.set_reshard_after_backward(True)
     else:
         yield

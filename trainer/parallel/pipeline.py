@@ -16,10 +16,13 @@ last stage gets fewer layers" because it also holds the LM head and the loss).
   micro-batches' gradients unscaled (scale_grads=False), data parallel averages over D, so the step's
   gradient is that of the token-weighted mean, as in `trainer.loop.train_step`.
 - The gradient norm for clipping is global: squared norms are summed over the pp ranks.
-- Data parallel after the schedule: a flat all-reduce of the stage's gradients over dp x cp, or, under
-  ZeRO-1 (`zero1.DistributedOptimizer`), its reduce-scatter / sharded step / all-gather over the same
-  group (the seed's layout: dp=2 x tp=2 x pp=2 with ZeRO-1); under ZeRO-2/3 the stage modules are
-  FSDP2 roots and the schedule reduce-scatters after each stage's last micro-batch.
+- Data parallel: a bucketed all-reduce of the stage's gradients over dp x cp (grad_all_reduce.py), or,
+  under ZeRO-1 (`zero1.DistributedOptimizer`), its reduce-scatter / sharded step / all-gather over the
+  same group (the seed's layout: dp=2 x tp=2 x pp=2 with ZeRO-1). Either way a bucket starts reducing
+  as soon as the stage's last micro-batch backward has produced its gradients, during the schedule's
+  cooldown (hooks counting m backward passes per parameter), and the step waits after the schedule.
+  Under ZeRO-2/3 the stage modules are FSDP2 roots and the schedule reduce-scatters after each stage's
+  last micro-batch.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from infra.config.train import TrainConfig
 
 from ..estimate import formulas
 from ..model import Transformer
+from .grad_all_reduce import GradAllReduce
 from .grad_norm import GradNormPlan
 from .mesh import ParallelDims
 from .zero1 import DistributedOptimizer
@@ -186,6 +190,8 @@ class Pipeline:
         self.scale = 1.0
         self.sequence_shards = 1  # tp under sequence parallel: stages exchange 1/tp of the sequence
         self.fsdp = False  # set by fsdp.apply_fsdp when the stage modules are FSDP2 roots (ZeRO-2/3)
+        self.bucket_elems = 1 << 22  # the zero=0 gradient all-reduce's buckets (parallel.bucket_mb of fp32)
+        self.grad_sync: GradAllReduce | None = None  # built at the first step (zero=0 with data parallel)
         self.sums: list[torch.Tensor] = []
         self.trace: PipelineTrace | None = None
 
@@ -248,6 +254,7 @@ def apply_pipeline(model: Transformer, dims: ParallelDims, parallel: ParallelCon
     pipe.schedule = cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=pipe.loss_fn,
                         scale_grads=False)
     pipe.sequence_shards = shards
+    pipe.bucket_elems = max(1, int(parallel.bucket_mb * 2**20 / 4))
     model.pipeline = pipe
     plan = getattr(model, "grad_norm_plan", None) or GradNormPlan()
     plan.stage_group = pp_group  # clipping needs the norm over every stage's gradients
@@ -266,33 +273,6 @@ def _sequence_positions_hook(shards: int):
 
 
 # ------------------------------------------------------------------------------------ the train step
-
-
-def _flat_all_reduce(grads: list[torch.Tensor], group, bucket_elems: int = 1 << 22) -> None:
-    """Average gradients over `group` in flat buckets (one all-reduce per bucket). A tensor-parallel
-    DTensor gradient is averaged through its local shard (replicas hold the same shard)."""
-    size = dist.get_world_size(group)
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    bucket: list[torch.Tensor] = []
-    n = 0
-
-    def flush():
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        off = 0
-        for g in bucket:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
-
-    for g in grads:
-        bucket.append(g)
-        n += g.numel()
-        if n >= bucket_elems:
-            flush()
-            bucket, n = [], 0
-    if bucket:
-        flush()
 
 
 def pipeline_train_step(model: nn.Module, optimizer, micro_batches, objective, cfg: TrainConfig, step: int,
@@ -333,6 +313,15 @@ def pipeline_train_step(model: nn.Module, optimizer, micro_batches, objective, c
     if trace is not None:
         dist.barrier(group=pipe.pp_group)
         t0 = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Data parallel starts on each bucket once the stage's m-th backward has filled it (its cooldown).
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.start_grad_sync_after(len(micro_batches))
+    elif data_group is not None and not pipe.fsdp:  # FSDP stages reduce-scatter their own (fsdp.py)
+        if pipe.grad_sync is None:
+            pipe.grad_sync = GradAllReduce([p for p in params if id(p) not in pipe.skip_sync], data_group,
+                                           pipe.bucket_elems)
+        pipe.grad_sync.start_after(len(micro_batches))
     args = (inputs,) if pipe.has_first else ()
     with autocast_for(cfg.precision, device):  # bf16 matmuls as in the one-stage step
         pipe.schedule.step(*args, target=targets if pipe.has_last else None)
@@ -341,13 +330,11 @@ def pipeline_train_step(model: nn.Module, optimizer, micro_batches, objective, c
     if moes:
         for h in hooks:
             h.remove()
-    params = [p for p in model.parameters() if p.requires_grad]
     if isinstance(optimizer, DistributedOptimizer):  # ZeRO-1: reduce-scatter, norm over dp, tp, ep and pp
         grad_norm = optimizer.clip_grad_norm(cfg.grad_clip)
     else:
-        if data_group is not None and not pipe.fsdp:  # FSDP stages reduce-scattered their own (fsdp.py)
-            _flat_all_reduce([p.grad for p in params if p.grad is not None and id(p) not in pipe.skip_sync],
-                             data_group)
+        if pipe.grad_sync is not None:
+            pipe.grad_sync.finish()
         grad_norm = model.grad_norm_plan.clip(params, cfg.grad_clip)
     # The schedule's first step also runs the loss once to infer shapes: keep the micro-batches' own.
     sums = torch.stack(pipe.sums[-len(micro_batches):]).sum(dim=0) if pipe.sums else torch.zeros(2, device=device)

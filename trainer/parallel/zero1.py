@@ -12,10 +12,19 @@ moments, in a torch optimizer over the segments with the same decay / no-decay g
 `trainer.optim`. So per rank the moments are 1/d of DDP's.
 
 Step. Micro-batches accumulate gradients locally (no communication); then per bucket: copy the
-gradients into a flat fp32 buffer, reduce-scatter it (all buckets in flight at once), divide by d
-(the mean, as DDP), measure the global gradient norm (squares summed over this rank's segments,
-all-reduced over dp, and over tp for tensor-parallel-sharded parameters), clip, step, and all-gather
-the updated owned ranges back into every rank's parameters.
+gradients into a flat buffer, reduce-scatter it, divide by d (the mean, as DDP), measure the global
+gradient norm (squares summed over this rank's segments, all-reduced over dp, and over tp for
+tensor-parallel-sharded parameters), clip, step, and all-gather the updated owned ranges back into
+every rank's parameters.
+
+Overlap (Megatron's overlap_grad_reduce and overlap_param_gather). The loop calls
+`start_grad_sync_after(1)` before the last micro-batch's backward (the pipeline step
+`start_grad_sync_after(m)` before its schedule): from then on post-accumulate-grad hooks count each
+bucket's ready parameters (grad_ready.py) and a bucket's reduce-scatter starts as soon as its last
+gradient is in, while backward computes the earlier layers; `clip_grad_norm` launches whatever no hook
+did and waits. `step()` launches every bucket's all-gather and returns; the next forward waits for a
+bucket in a pre-hook of the first unit that uses it (param_ready.py). Same buckets, same buffers, same
+collectives as without overlap, only issued earlier: the results are bit-identical.
 
 Composition. The "data" group is every rank holding the same weights and seeing different tokens:
 dp, or dp x cp under context parallel (Megatron's distributed optimizer also shards over dp x cp).
@@ -36,7 +45,9 @@ from torch import nn
 
 from infra.config.train import TrainConfig
 
+from .grad_ready import GradReadiness
 from .mesh import ParallelDims
+from .param_ready import register_param_waits
 
 
 def fqn_of(model: nn.Module, name: str) -> str:
@@ -89,7 +100,8 @@ class DistributedOptimizer:
     `clip_grad_norm(max_norm) -> grad norm`, which the loop calls instead of `trainer.optim`'s
     (the gradients must be reduce-scattered before their norm is known)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float, group=None):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float, group=None,
+                 overlap_grad_reduce: bool = True, overlap_param_gather: bool = True):
         from .context_parallel import data_context_group
 
         self.group = group if group is not None else data_context_group(dims)  # dp (x cp)
@@ -133,6 +145,15 @@ class DistributedOptimizer:
         if self.fp32_grads:
             for _, p in named:
                 p.register_post_accumulate_grad_hook(accumulate_in_fp32)
+        # In flight: bucket index -> (work, reduce-scatter output) and -> (work, gathered buffer, shard sent).
+        self._grad_sync: dict[int, tuple] = {}
+        self._param_sync: dict[int, tuple] = {}
+        bucket_params = [[p for _, p, _ in b.params] for b in self.buckets]
+        # After accumulate_in_fp32 (hooks run in registration order): main_grad is whole when a bucket launches.
+        self.readiness = GradReadiness(bucket_params, self.start_grad_sync) if overlap_grad_reduce else None
+        self.overlap_param_gather = overlap_param_gather
+        if overlap_param_gather:
+            register_param_waits(model, bucket_params, self.finish_param_sync, self.finish_param_sync)
         segments = [s for b in self.buckets for s in b.segments] + self.experts
         decay = [s.master for s in segments if s.param.dim() >= 2]
         no_decay = [s.master for s in segments if s.param.dim() < 2]
@@ -165,7 +186,17 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
+    def start_grad_sync_after(self, backwards: int = 1) -> None:
+        """The next `backwards` backward passes finish this step's gradients (the loop's last micro-batch: 1;
+        a pipeline stage: its m micro-batches): reduce-scatter each bucket as soon as they have."""
+        if self.readiness is not None:
+            self.readiness.arm(backwards)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._grad_sync:  # launched by hooks but never used (no clip, no step): finish, as every rank does
+            self._finish_grad_sync()
+        if self.readiness is not None:
+            self.readiness.reset()
         for b in self.buckets:
             for _, p, _ in b.params:
                 p.grad = None
@@ -208,25 +239,41 @@ class DistributedOptimizer:
         yield from self._segments()
         yield from self.experts
 
-    def _reduce_scatter_grads(self) -> list[torch.Tensor]:
-        shards, works = [], []
-        for b in self.buckets:
-            ref = local(b.params[0][1])
-            dtype = torch.float32 if self.fp32_grads else ref.dtype
-            flat = torch.zeros(b.padded, dtype=dtype, device=ref.device)
-            for _, p, offset in b.params:
-                g = getattr(p, "main_grad", None) if self.fp32_grads else p.grad
-                if g is not None:
-                    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
-                        # e.g. the row-split embedding's gradient comes back in another layout
-                        g = g.redistribute(p.device_mesh, p.placements)
-                    g = local(g)
-                    flat[offset:offset + g.numel()].copy_(g.reshape(-1))
-            out = torch.empty(b.shard, dtype=dtype, device=ref.device)
-            works.append(dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True))
+    def start_grad_sync(self, i: int) -> None:
+        """Copy bucket i's accumulated gradients into a flat buffer and launch its reduce-scatter."""
+        b = self.buckets[i]
+        ref = local(b.params[0][1])
+        dtype = torch.float32 if self.fp32_grads else ref.dtype
+        flat = torch.zeros(b.padded, dtype=dtype, device=ref.device)
+        for _, p, offset in b.params:
+            g = getattr(p, "main_grad", None) if self.fp32_grads else p.grad
+            if g is not None:
+                if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+                    # e.g. the row-split embedding's gradient comes back in another layout
+                    g = g.redistribute(p.device_mesh, p.placements)
+                g = local(g)
+                flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+        out = torch.empty(b.shard, dtype=dtype, device=ref.device)
+        self._grad_sync[i] = (dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True), out)
+
+    def _finish_grad_sync(self) -> list[torch.Tensor]:
+        """Launch the buckets no hook launched (every one without overlap, in bucket order), then wait for
+        all; returns their reduce-scattered shards in bucket order."""
+        for i in range(len(self.buckets)):
+            if i not in self._grad_sync:
+                self.start_grad_sync(i)
+        shards = []
+        for i in range(len(self.buckets)):
+            work, out = self._grad_sync.pop(i)
+            work.wait()
             shards.append(out)
-        for w in works:
-            w.wait()
+        if self.readiness is not None:
+            self.readiness.reset()
+        return shards
+
+    def _reduce_scatter_grads(self) -> list[torch.Tensor]:
+        self.finish_param_sync()  # normally done by the forward's hooks already
+        shards = self._finish_grad_sync()
         for b, out in zip(self.buckets, shards):
             out.div_(self.d)  # the mean over replicas, as DDP (the loop's loss scale expects it)
             for s in b.segments:
@@ -270,20 +317,30 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _all_gather_params(self, shards: list[torch.Tensor]) -> None:
-        works, fulls = [], []
-        for b, shard in zip(self.buckets, shards):
+        """Launch every bucket's all-gather; wait now without overlap_param_gather, else in the next
+        forward (finish_param_sync, called per bucket by param_ready's hooks)."""
+        self.finish_param_sync()
+        for i, (b, shard) in enumerate(zip(self.buckets, shards)):
             dtype = local(b.params[0][1]).dtype  # the updated weights go out in the model's dtype (bf16)
             shard = shard if shard.dtype == dtype else torch.empty(b.shard, dtype=dtype, device=shard.device)
             shard.zero_()
             for s in b.segments:
                 shard[s.shard_offset:s.shard_offset + s.length].copy_(s.master)
             full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-            works.append(dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True))
-            fulls.append(full)
-        for w in works:
-            w.wait()
-        for b, full in zip(self.buckets, fulls):
-            for _, p, offset in b.params:
+            work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
+            self._param_sync[i] = (work, full, shard)  # the shard too: it is read until the gather is done
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    @torch.no_grad()
+    def finish_param_sync(self, indices: list[int] | None = None) -> None:
+        """Wait for the given buckets' all-gathers (default: all in flight) and copy them into the parameters."""
+        for i in (sorted(self._param_sync) if indices is None else indices):
+            if i not in self._param_sync:
+                continue
+            work, full, _ = self._param_sync.pop(i)
+            work.wait()
+            for _, p, offset in self.buckets[i].params:
                 t = local(p.data)
                 t.view(-1).copy_(full[offset:offset + t.numel()])
 
