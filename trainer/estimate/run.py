@@ -188,6 +188,8 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
         return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 
     per_rank_comm = [comm(st) for st in stages]
+    for st, c in zip(stages, per_rank_comm):
+        st["comm_bytes"] = c  # what one rank of this pipeline stage sends per step, by dimension
     comm_bytes = {k: max(c[k] for c in per_rank_comm) for k in per_rank_comm[0]}
 
     # Seconds on the link each dimension's groups use (seed: NVLink ~450 GB/s each way inside a node,
