@@ -137,12 +137,16 @@ def test_busiest_rank_holds_p_micro_batches_and_logits(seed):
     assert first["bytes"]["activations"] == pytest.approx(p * 3 * per_layer)  # 1F1B: p in flight on stage 0
     assert last["bytes"]["activations"] == pytest.approx(1 * 2 * per_layer)
     assert last["bytes"]["logits"] == 4 * s * b * V / tp and first["bytes"]["logits"] == 0
-    # ZeRO-1 over dp=2: 2 + 2 bytes kept, 12 sharded; the embedding and 3 layers split over tp=2.
-    params0 = (32000 * 4096 + 3 * f.layer_params(4096, 32, 32, 128, 11008)["total"]) / tp
+    # ZeRO-1 over dp=2: 2 + 2 bytes kept, 12 sharded; the embedding and 3 layers split over tp=2 but for
+    # their norm gains, whole on every tp rank (trainer/parallel/tensor_parallel.py).
+    layer = f.layer_params(4096, 32, 32, 128, 11008)
+    assert layer["tp_whole"] == 2 * 4096
+    params0 = (32000 * 4096 + 3 * (layer["total"] - layer["tp_whole"])) / tp + 3 * layer["tp_whole"]
     assert first["bytes"]["weights"] + first["bytes"]["grads"] + first["bytes"]["optimizer"] == pytest.approx(
         params0 * (2 + 2 + 12 / 2))
     assert seed["busiest_pp_rank"] == 0 and seed["busiest_rank_bytes"] == pytest.approx(first["total_bytes"])
-    assert (first["params"] + last["params"]) * tp == seed["params"]  # every parameter on exactly one stage
+    gains = 5 * 2 * 4096 + 4096  # every layer's two norms and the final norm, replicated over tp
+    assert (first["params"] + last["params"] - gains) * tp + gains == seed["params"]  # each on one stage
 
 
 def test_zero_stages_per_rank():
@@ -164,8 +168,12 @@ def test_collective_bytes():
         assert f.data_parallel_bytes(g / 2, zero, 8) == pytest.approx(f.data_parallel_bytes(g / 2, 0, 8))
     assert f.data_parallel_bytes(g / 2, 3, 8) == pytest.approx(1.5 * f.data_parallel_bytes(g / 2, 0, 8))  # "1.5x"
     est = estimate_run(load_preset("seed-1b"))
-    # TP: 4 all-reduces per layer per micro-batch, 3 layers on stage 0, 4 micro-batches, ring over t=2.
-    assert est["comm_bytes_per_step"]["tp"] == pytest.approx(4 * 3 * 4 * 32 * MiB)
+    # TP: 4 all-reduces per layer per micro-batch, 3 layers on stage 0, and the vocab-parallel embedding's
+    # all-reduce; 4 micro-batches, ring over t=2 (2(t-1)/t = 1); the 2 x 3 norm gains' partial bf16 gradients
+    # once (sequence parallel is on).
+    assert est["comm_bytes_per_step"]["tp"] == pytest.approx((4 * 3 + 1) * 4 * 32 * MiB + 2 * 3 * 4096 * 2)
+    stage1 = est["stages"][1]["comm_bytes"]["tp"]  # 2 layers, the head's input gradient, the cross-entropy's 3
+    assert stage1 == pytest.approx((4 * 2 + 1) * 4 * 32 * MiB + 4 * 3 * 2 * 2048 * 4 + (2 * 2 + 1) * 4096 * 2)
     # PP: 4 micro-batches cross the one boundary forward and back; sequence parallel halves the tensor.
     assert est["comm_bytes_per_step"]["pp"] == pytest.approx(4 * 16 * MiB)
     cp = estimate_run(load_preset("seed-1b", ["parallel.cp=2", "parallel.dp=1", "pretrain.global_batch_size=8"]))

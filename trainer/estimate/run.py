@@ -3,7 +3,8 @@ pipeline schedule. A pure function of the config: no torch, nothing allocated.
 
 Layout rules it assumes (those of `trainer/parallel/`): ranks ordered dp (dp_replicate x dp_shard), pp,
 cp, tp (tp innermost); pipeline chunk c (of pp x pp_virtual_stages) lives on pipeline rank c % pp;
-tensor parallelism splits every matrix (and the vocabulary) t ways; experts are split over ep and tp;
+tensor parallelism splits every matrix (and the vocabulary) t ways but norm gains and MoE layers, whose
+experts are split over ep only;
 ZeRO shards dense state over dp x cp ranks (dp_shard x cp under ZeRO 2/3 with HSDP) and expert state
 over the dp x cp / ep ranks that hold the same experts.
 """
@@ -106,7 +107,10 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             dense += model.dim + counts["head"]  # final norm and LM head
             if model.tie_embeddings and p > 1:
                 dense += counts["embedding"]  # a tied head on its own stage keeps a copy of the table
-        dense_rank, routed_rank = dense / tp, routed / (tp * ep)
+        # Tensor parallelism splits every matrix but the norm gains and MoE layers (router, shared expert);
+        # routed experts are split over ep only.
+        whole = sum(layers[i]["tp_whole"] for i in ids) + (model.dim if holds_head else 0)  # + the final norm
+        dense_rank, routed_rank = (dense - whole) / tp + whole, routed / ep
         state = {k: a + b for (k, a), b in zip(
             f.zero_state_bytes(dense_rank, per_param, par.zero, dense_shard).items(),
             f.zero_state_bytes(routed_rank, per_param, par.zero, expert_shard).values())}
@@ -157,9 +161,12 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
                                          replicate=par.dp_replicate if par.zero >= 2 else 1)
         dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=per_param["grads"],
                                           weight_bytes=weight_bytes, micro_batches=micro_batches)
-        # TP: 2 all-reduces forward and 2 backward per layer per micro-batch (seed); sequence parallel swaps
-        # each for a reduce-scatter + all-gather, the same bytes.
-        tp_bytes = 4 * n_layers * micro_batches * f.ring_allreduce_bytes(act_tensor, tp)
+        gains = 2 * n_layers * model.dim + (model.dim if st["holds_head"] else 0)
+        tp_bytes = f.tensor_parallel_bytes(
+            act_tensor, tp, dense_layers=n_layers - moe_layers, moe_layers=moe_layers,
+            holds_embedding=st["holds_embedding"], holds_head=st["holds_head"], tokens=mbs * s_local,
+            sequence_parallel=par.sequence_parallel, norm_gains=gains, gain_bytes=act_bytes,
+            micro_batches=micro_batches)
         boundary = act_tensor / (tp if par.sequence_parallel else 1)
         sends = sum((c < last) + (c > 0) for c in st["chunks"])  # activation forward, its gradient back
         pp_bytes = micro_batches * boundary * sends if p > 1 else 0.0
