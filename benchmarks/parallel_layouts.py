@@ -1,19 +1,28 @@
-"""Step time, tokens/s and bytes per step per mesh dimension of each parallel layout, on CPU with gloo.
+"""State bytes per rank, wire bytes per step per mesh dimension, and step time of each parallel layout,
+each measured on CPU with gloo beside what `eightfold estimate` gives for the same config.
 
 The layouts are a table (LAYOUTS: name -> parallel: overrides); every layout of one world size runs
 inside one torchrun launch (this file is also the worker), on the same model, global batch and seed,
 and the one-process layout is measured in the same run as the baseline. Each layout: one warm-up
-step that also counts collectives (trainer.parallel.comm_accounting), then `--steps` timed steps
-(median). Prints one JSON line per layout, with ratios against the one-process figures:
+step (the masters and moments are made lazily, the pipeline infers its shapes), one step whose
+collectives are counted (trainer.parallel.comm_accounting) and at whose zero_grad rank 0's state is
+walked (trainer.parallel.state_accounting), then `--steps` timed steps (median). One JSON line per
+layout:
 
-    {"layout": "zero1_dp2", "world": 2, "step_s": ..., "tokens_per_s": ..., "speedup_vs_one": ...,
-     "bytes_per_step": {"dp": ...}, "calls_per_step": {"dp": ...}, "bytes_vs_ddp": ...,
-     "optimizer_state_bytes_rank0": ...}
+    {"layout": "zero1_dp2", "precision": "bf16", "world": 2,
+     "state_bytes_rank0": ..., "estimated_state_bytes_rank0": ..., "state_ratio": ...,
+     "state_breakdown_rank0": {"weights", "grads", "masters", "moments"},
+     "named_buffers_rank0": {"zero1_grad_shards", "master_grads", "buffers"},   (not in the state)
+     "wire_bytes_per_step": {"dp": ...}, "estimated_wire_bytes_per_step": {"dp": ...}, "wire_ratio": {"dp": ...},
+     "calls_per_step": ..., "step_s": ..., "tokens_per_s": ..., "speedup_vs_one": ..., "bytes_vs_ddp": ...}
 
-On one 2-core machine several ranks share the cores, so the times show communication and
-framework overhead, not the scaling a GPU cluster would give; the bytes are exact.
+Rank 0 is pipeline stage 0, tensor/context/expert rank 0; the estimate is taken for that stage. Wire
+bytes are keyed by the group that carries them (gradient sync: dp, or cp / dp_cp under context
+parallel, dp_shard + dp_replicate under HSDP). On one 2-core machine several ranks share the cores,
+so the times show communication and framework overhead, not the scaling a GPU cluster would give;
+the bytes are exact.
 
-    python -m benchmarks.parallel_layouts [--dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
+    python -m benchmarks.parallel_layouts [--precision bf16 --dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
 """
 
 from __future__ import annotations
@@ -206,7 +215,7 @@ def worker(out: str, names: list[str], a: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -217,25 +226,18 @@ def main() -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.worker:
-        worker(a.worker[0], a.worker[1:], a)
-        return
-    names = [n for n in (a.only.split(",") if a.only else LAYOUTS) if n]
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        raise SystemExit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
-    torch.set_num_threads(1)
-    base = measure("one", a)  # the baseline, in this process, in the same run
-    rows = [base] if "one" in names else []
+    return p
+
+
+def run_layouts(names: list[str], a: argparse.Namespace) -> list[dict]:
+    """Measure the multi-process layouts `names`: one torchrun launch per world size; rows in launch order."""
     by_world: dict[int, list[str]] = {}
     for n in names:
-        if n != "one":
-            by_world.setdefault(world_of(n), []).append(n)
+        by_world.setdefault(world_of(n), []).append(n)
     flags = ["--dim", str(a.dim), "--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch),
-             "--micro", str(a.micro), "--steps", str(a.steps),
-             "--precision", a.precision]
+             "--micro", str(a.micro), "--steps", str(a.steps), "--precision", a.precision]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    rows: list[dict] = []
     for world, group in sorted(by_world.items()):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
@@ -245,6 +247,21 @@ def main() -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"world {world} layouts {group} failed:\n{proc.stderr[-4000:]}")
             rows += json.loads(out.read_text())
+    return rows
+
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.worker:
+        worker(a.worker[0], a.worker[1:], a)
+        return
+    names = [n for n in (a.only.split(",") if a.only else LAYOUTS) if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
+    torch.set_num_threads(1)
+    base = measure("one", a)  # the baseline, in this process, in the same run
+    rows = ([base] if "one" in names else []) + run_layouts([n for n in names if n != "one"], a)
     ddp_bytes = {r["world"]: sum(r["wire_bytes_per_step"].values()) for r in rows
                  if r["layout"] == f"ddp{r['world']}"}
     for r in rows:
