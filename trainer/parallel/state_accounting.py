@@ -4,13 +4,14 @@ sharded as ZeRO dictates). The measured side of `eightfold estimate`'s state byt
 
 Counted, each tensor's bytes on this rank (a DTensor's local shard), a storage shared by views once:
 - weights: the model's parameters (FSDP2's fp32 shards; under TP this rank's slice);
-- grads: their `.grad` (DDP's are views into its buckets, so the buckets are these bytes);
+- grads: their `.grad` (DDP's are views into its buckets, so the buckets are these bytes), and the fp32
+  `main_grad` ZeRO-1 accumulates into under fp32_grad_accum (Megatron's; the seed's 18 bytes);
 - masters: the optimizer's fp32 copies of low-precision parameters (MasterWeights' dict, ZeRO-1's
   owned segments); none when the parameters are fp32 (they are their own masters, ZeRO-1's views of them);
 - moments: the optimizer state's tensors (Adam's m and v, SGD's momentum; not the 0-d step counters).
-Named apart, not in the total: ZeRO-1's fp32 gradient shards (its reduce-scatter output, which the
-masters' `.grad` view until zero_grad: a transient bucket), the module buffers (RoPE tables, routing
-biases) and any other `.grad` an optimizer hangs on its masters.
+Named apart, not in the total: ZeRO-1's gradient shards (its reduce-scatter's output, in fp32 as the
+masters' `.grad` until zero_grad: a transient bucket, 4/d bytes per parameter), the module buffers (RoPE
+tables, routing biases) and any other `.grad` an optimizer hangs on its masters.
 
 Measure between a step's update and its zero_grad (`measure_at_zero_grad`): the gradients are still
 there, the masters and moments exist (they are made lazily at the first step).
@@ -69,7 +70,8 @@ def rank_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     seen = _Storages()
     params = [p for p in model.parameters()]
     out = {"weights": sum(seen.add(p.detach()) for p in params),
-           "grads": sum(seen.add(p.grad) for p in params if p.grad is not None)}
+           "grads": sum(seen.add(g) for p in params for g in (p.grad, getattr(p, "main_grad", None))
+                        if g is not None)}
     masters, moments, master_grads = _masters_and_moments(optimizer)
     out["masters"] = sum(seen.add(m) for m in masters)
     out["moments"] = sum(seen.add(m) for m in moments)
