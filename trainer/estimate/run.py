@@ -186,7 +186,8 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             cp_bytes = 0.0
         ep_bytes = 0.0
         if ep > 1 and model.moe is not None:
-            # Dispatch and combine forward, and both again backward: each token's top_k copies of h.
+            # Dispatch and combine forward, and both again backward: each token's top_k copies of h, of which
+            # (ep-1)/ep leave the rank under balanced routing (a real router's share moves with its imbalance).
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
