@@ -161,6 +161,24 @@ def test_zero_stages_per_rank():
     assert by_zero["3"] == pytest.approx(16 * n / 8)
 
 
+def test_fsdp_keeps_fp32_shards_as_masters():
+    """ZeRO-3 is FSDP2: fp32 parameter and gradient shards plus the moments, 16/d bytes per parameter with or
+    without fp32 gradient reduction (not the seed's 18: the bf16 weight exists only while gathered); on the
+    wire the weights go in bf16 and the gradients in bf16, or fp32 with fp32_grad_accum."""
+    base = ["parallel.dp=8", "parallel.tp=1", "parallel.pp=1", "parallel.pp_split=auto",
+            "parallel.sequence_parallel=false", "parallel.zero=3"]
+    plain = estimate_run(load_preset("seed-1b", base))
+    acc = estimate_run(load_preset("seed-1b", base + ["pretrain.fp32_grad_accum=true"]))
+    n = plain["params"]
+    for est in (plain, acc):
+        assert est["state_bytes_per_rank"] == pytest.approx(16 * n / 8)
+        assert est["state_bytes_per_param_breakdown"] == {"weights": 4, "grads": 4, "optimizer": 8}
+    gather, reduce = 2 * 7 / 8 * n * 2, 7 / 8 * n  # per micro-batch: a forward and a backward gather of bf16
+    m = plain["micro_batches"]
+    assert plain["comm_bytes_per_step"]["dp"] == pytest.approx(m * gather + 2 * reduce)
+    assert acc["comm_bytes_per_step"]["dp"] == pytest.approx(m * gather + 4 * reduce)
+
+
 def test_collective_bytes():
     g = 1e9
     assert f.ring_allreduce_bytes(g, 4) == pytest.approx(2 * 3 / 4 * g)

@@ -88,10 +88,12 @@ def param_counts(model) -> dict[str, int]:
 
 
 def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False,
-                          optimizer: str = "adamw") -> dict[str, int]:
+                          optimizer: str = "adamw", fsdp: bool = False) -> dict[str, int]:
     """Bytes per parameter of weights, gradients and optimizer state (seed: 2 + 2 + 12 = 16; 18 with
     fp32 gradient accumulation). fp32 training keeps no separate master copy (4 + 4 + 8 = 16).
-    SGD keeps one momentum buffer instead of Adam's two moments."""
+    SGD keeps one momentum buffer instead of Adam's two moments. FSDP2 under bf16 (trainer/parallel/fsdp.py)
+    keeps fp32 parameter shards that are the masters and fp32 gradient shards, gathering bf16 only for
+    compute: 4 + 4 + 8 = 16 with or without fp32 gradient reduction."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be bf16 or fp32, got {precision!r}")
     weights = 2 if precision == "bf16" else 4
@@ -100,6 +102,8 @@ def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False
     if moments is None:
         raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
     master = 4 if precision == "bf16" else 0
+    if fsdp:
+        return {"weights": 4, "grads": 4, "optimizer": moments}
     return {"weights": weights, "grads": grads, "optimizer": master + moments}
 
 

@@ -67,8 +67,13 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     model, par, train, est = cfg.model, cfg.parallel, cfg.pretrain, cfg.estimate
     counts = f.param_counts(model)
     layers = f.model_layer_params(model)
-    per_param = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer)
+    # ZeRO-3 is FSDP2 (trainer/parallel/fsdp.py): its fp32 shards are the masters. (ZeRO-2's estimate keeps the
+    # seed's whole bf16 weights: FSDP2 holds them gathered from forward to backward.)
+    fsdp = par.zero == 3 and par.dp_shard > 1
+    per_param = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer, fsdp=fsdp)
     act_bytes = 2 if train.precision == "bf16" else 4
+    # On the wire: weights in the compute dtype, gradients too unless reduced in fp32 (fp32_grad_accum).
+    wire_grad = 4 if (train.fp32_grad_accum or train.precision == "fp32") else 2
     recompute = recompute_mode(cfg)
 
     p, v, tp, cp, ep, dp = par.pp, par.pp_virtual_stages, par.tp, par.cp, par.ep, par.dp
@@ -118,8 +123,9 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
         for z in (0, 1, 2, 3):
             replicas = par.dp_replicate if z >= 2 else 1  # HSDP replicates only sharded (ZeRO 2/3) state
             zs, es = dp // replicas * cp, max(1, dp * cp // ep // replicas)
-            by_zero[str(z)] = (sum(f.zero_state_bytes(dense_rank, per_param, z, zs).values())
-                               + sum(f.zero_state_bytes(routed_rank, per_param, z, es).values()))
+            pz = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer, fsdp=z == 3)
+            by_zero[str(z)] = (sum(f.zero_state_bytes(dense_rank, pz, z, zs).values())
+                               + sum(f.zero_state_bytes(routed_rank, pz, z, es).values()))
         chunk_bytes = [sum(layer_act(i, recompute) for i in chunks[c]) for c in range(n_chunks)]
         if timeline is not None:
             activations = timeline.peak_held(r, chunk_bytes)
@@ -151,15 +157,15 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
 
     # Collectives: bytes one rank sends per step, on the rank that sends most.
     act_tensor = mbs * s_local * model.dim * act_bytes  # one [b, s, h] activation
-    weight_bytes = per_param["weights"]
+    weight_bytes = act_bytes
 
     def comm(st: dict) -> dict[str, float]:
         n_layers = len(st["layers"])
         moe_layers = sum(1 for i in st["layers"] if layers[i]["routed"])
-        dp_bytes = f.data_parallel_bytes(st["dense_params"], par.zero, dense_shard, grad_bytes=per_param["grads"],
+        dp_bytes = f.data_parallel_bytes(st["dense_params"], par.zero, dense_shard, grad_bytes=wire_grad,
                                          weight_bytes=weight_bytes, micro_batches=micro_batches,
                                          replicate=par.dp_replicate if par.zero >= 2 else 1)
-        dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=per_param["grads"],
+        dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=wire_grad,
                                           weight_bytes=weight_bytes, micro_batches=micro_batches)
         gains = 2 * n_layers * model.dim + (model.dim if st["holds_head"] else 0)
         tp_bytes = f.tensor_parallel_bytes(
@@ -191,7 +197,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
-        hsdp = (f.hsdp_allreduce_bytes(st["dense_params"], per_param["grads"], dense_shard, par.dp_replicate)
+        hsdp = (f.hsdp_allreduce_bytes(st["dense_params"], wire_grad, dense_shard, par.dp_replicate)
                 if par.zero >= 2 else 0.0)
         return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 
