@@ -62,18 +62,6 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, None, input_fn=to_dtensor, output_fn=to_local)
 
 
-def keep_grad_sharded(param) -> None:
-    """Hold `param`'s gradient in the parameter's own layout. Under pipeline parallel the vocab-parallel
-    embedding's weight gradient comes back replicated (the whole table on every tp rank, t x the seed's
-    "each GPU stores 16,000 embedding rows"); cutting it to this rank's rows as it accumulates is a local
-    slice, no communication."""
-    def hook(p):
-        if tuple(p.grad.placements) != tuple(p.placements):
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-
-    param.register_post_accumulate_grad_hook(hook)
-
-
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """What this plan supports, refused with the reason (config validation checks divisibility; tied
     embeddings are refused with the other layout rules, infra.config.parallel.unsupported_layout)."""
@@ -96,8 +84,6 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_paralle
         "lm_head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
     parallelize_module(model, mesh, {k: v for k, v in top.items() if getattr(model, k, None) is not None})
-    if getattr(model, "embed_tokens", None) is not None:
-        keep_grad_sharded(model.embed_tokens.weight)
     for block in model.layers.values():
         plan = {
             "input_layernorm": SequenceParallel() if sp else ReplicateParallel(),
