@@ -1,19 +1,28 @@
-"""Step time, tokens/s and bytes per step per mesh dimension of each parallel layout, on CPU with gloo.
+"""State bytes per rank, wire bytes per step per mesh dimension, and step time of each parallel layout,
+each measured on CPU with gloo beside what `eightfold estimate` gives for the same config.
 
 The layouts are a table (LAYOUTS: name -> parallel: overrides); every layout of one world size runs
 inside one torchrun launch (this file is also the worker), on the same model, global batch and seed,
 and the one-process layout is measured in the same run as the baseline. Each layout: one warm-up
-step that also counts collectives (trainer.parallel.comm_accounting), then `--steps` timed steps
-(median). Prints one JSON line per layout, with ratios against the one-process figures:
+step (the masters and moments are made lazily, the pipeline infers its shapes), one step whose
+collectives are counted (trainer.parallel.comm_accounting) and at whose zero_grad rank 0's state is
+walked (trainer.parallel.state_accounting), then `--steps` timed steps (median). One JSON line per
+layout:
 
-    {"layout": "zero1_dp2", "world": 2, "step_s": ..., "tokens_per_s": ..., "speedup_vs_one": ...,
-     "bytes_per_step": {"dp": ...}, "calls_per_step": {"dp": ...}, "bytes_vs_ddp": ...,
-     "optimizer_state_bytes_rank0": ...}
+    {"layout": "zero1_dp2", "precision": "bf16", "world": 2,
+     "state_bytes_rank0": ..., "estimated_state_bytes_rank0": ..., "state_ratio": ...,
+     "state_breakdown_rank0": {"weights", "grads", "masters", "moments"},
+     "named_buffers_rank0": {"zero1_grad_shards", "master_grads", "buffers"},   (not in the state)
+     "wire_bytes_per_step": {"dp": ...}, "estimated_wire_bytes_per_step": {"dp": ...}, "wire_ratio": {"dp": ...},
+     "calls_per_step": ..., "step_s": ..., "tokens_per_s": ..., "speedup_vs_one": ..., "bytes_vs_ddp": ...}
 
-On one 2-core machine several ranks share the cores, so the times show communication and
-framework overhead, not the scaling a GPU cluster would give; the bytes are exact.
+Rank 0 is pipeline stage 0, tensor/context/expert rank 0; the estimate is taken for that stage. Wire
+bytes are keyed by the group that carries them (gradient sync: dp, or cp / dp_cp under context
+parallel, dp_shard + dp_replicate under HSDP). On one 2-core machine several ranks share the cores,
+so the times show communication and framework overhead, not the scaling a GPU cluster would give;
+the bytes are exact.
 
-    python -m benchmarks.parallel_layouts [--dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
+    python -m benchmarks.parallel_layouts [--precision bf16 --dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
 """
 
 from __future__ import annotations
@@ -35,8 +44,11 @@ import torch.distributed as dist
 from infra.config import LifecycleConfig
 from trainer.data import MicroBatch
 from trainer.loop import LanguageModelling, build_model, train_step, unwrap
+from trainer.loss import moe_layers
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.comm_accounting import CommCounter
+from trainer.estimate.run import estimate_run
+from trainer.parallel.state_accounting import STATE, measure_at_zero_grad
 from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +84,12 @@ LAYOUTS: dict[str, dict] = {
     "ddp8": {"dp": 8},
     "dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b"},
     "seed_2x2x2": {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "pp_schedule": "1f1b"},
+    # Expert parallel reuses the data-parallel ranks; its model is an MoE (MOE_LAYOUTS).
+    "ep2": {"dp": 2, "ep": 2},
 }
+# Layouts run on the MoE variant of the model: every layer 4 experts, top-2, no dropping.
+MOE_LAYOUTS = {"ep2"}
+MOE = {"num_experts": 4, "top_k": 2}
 
 
 def world_of(name: str) -> int:
@@ -85,11 +102,11 @@ def config(name: str, a: argparse.Namespace) -> LifecycleConfig:
     return LifecycleConfig.model_validate({
         "name": "parallel-bench", "seed": 0,
         "model": {"vocab_size": vocab, "dim": a.dim, "n_layers": a.layers, "n_heads": 4, "n_kv_heads": 2,
-                  "ffn_dim": 4 * a.dim, "max_seq_len": a.seq},
+                  "ffn_dim": 4 * a.dim, "max_seq_len": a.seq, "moe": MOE if name in MOE_LAYOUTS else None},
         "tokenizer": {"vocab_size": vocab},
         "parallel": {"nproc_per_node": world_of(name), **LAYOUTS[name]},
-        "pretrain": {"steps": a.steps + 1, "seq_len": a.seq, "micro_batch_size": a.micro,
-                     "global_batch_size": a.batch, "lr": 1e-3, "warmup_steps": 0, "precision": "fp32",
+        "pretrain": {"steps": a.steps + 2, "seq_len": a.seq, "micro_batch_size": a.micro,
+                     "global_batch_size": a.batch, "lr": 1e-3, "warmup_steps": 0, "precision": a.precision,
                      "peak_flops": 1e11},
     })
 
@@ -104,7 +121,40 @@ def batches(cfg: LifecycleConfig, step: int, dp_rank: int, dp: int) -> list[Micr
             for i in range(0, per, t.micro_batch_size)]
 
 
+def estimated_rank0(cfg: LifecycleConfig, dims) -> tuple[dict, dict]:
+    """`eightfold estimate` on the same config, for global rank 0 (pipeline stage 0): its state bytes
+    (weights, grads, optimizer) and the bytes it sends per step, keyed by the groups the counter names."""
+    stage = estimate_run(cfg)["stages"][0]
+    state = {k: stage["bytes"][k] for k in ("weights", "grads", "optimizer")}
+    comm = stage["comm_bytes"]
+    names = dims.group_names()
+    wire: dict[str, float] = {}
+
+    def add(dim: str, nbytes: float) -> None:
+        if nbytes:
+            wire[dim] = wire.get(dim, 0.0) + nbytes
+
+    if cfg.parallel.zero >= 2 and dims.dp_replicate > 1:  # HSDP: shard group, and the replicas' all-reduce
+        add("dp_shard", comm["dp"] - comm["hsdp"])
+        add("dp_replicate", comm["hsdp"])
+    elif comm["dp"]:
+        from trainer.parallel.context_parallel import data_context_group
+
+        add(names[data_context_group(dims).group_name], comm["dp"])  # dp, cp or dp_cp: who holds the same weights
+    for dim in ("tp", "pp", "cp", "ep"):
+        add(dim, comm[dim])
+    return state, wire
+
+
+def ratios(measured: dict, estimated: dict) -> dict:
+    return {k: (measured.get(k, 0.0) / estimated[k] if estimated.get(k) else None)
+            for k in sorted(set(measured) | set(estimated))}
+
+
 def measure(name: str, a: argparse.Namespace) -> dict:
+    """One layout: a warm-up step (masters and moments are made lazily, the pipeline infers shapes), then
+    one step whose collectives are counted and whose state is measured on this rank before zero_grad,
+    then `--steps` timed steps. State and wire bytes beside the estimator's for the same config."""
     cfg = config(name, a)
     t = cfg.pretrain
     dims = build_parallel_dims(cfg.parallel, "cpu")
@@ -116,21 +166,40 @@ def measure(name: str, a: argparse.Namespace) -> dict:
 
         dp_group, objective = context_parallel_setup(dims, objective)
     cpu = torch.device("cpu")
-    with CommCounter(dims.group_names()) as counter:  # warm-up step, counted
-        train_step(model, opt, batches(cfg, 0, dims.rank("dp"), dims.dp), objective, t, 0, cpu, dp_group)
+    names = dims.group_names()
+    for m in moe_layers(unwrap(model)):  # expert parallel's groups are its own, not the mesh's
+        if getattr(m, "ep_group", None) is not None:
+            names[m.ep_group.group_name] = "ep"
+
+    def step(i: int) -> None:
+        train_step(model, opt, batches(cfg, i, dims.rank("dp"), dims.dp), objective, t, i, cpu, dp_group)
+
+    step(0)
+    state: dict = {}
+    measure_at_zero_grad(opt, state, unwrap(model))
+    with CommCounter(names) as counter:
+        step(1)
     times = []
-    for step in range(1, t.steps):
-        micro = batches(cfg, step, dims.rank("dp"), dims.dp)
+    for i in range(2, 2 + a.steps):
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, opt, micro, objective, t, step, cpu, dp_group)
+        step(i)
         times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s = statistics.median(times) if times else None
     summary = counter.summary()
-    return {"layout": name, "world": dims.world_size, "step_s": step_s,
-            "tokens_per_s": t.global_batch_size * t.seq_len / step_s,
-            "bytes_per_step": {k: v["bytes"] for k, v in summary.items()},
+    wire = {k: v["bytes"] for k, v in summary.items()}
+    est_state, est_wire = estimated_rank0(cfg, dims)
+    measured_state, estimated_state = state["state"], sum(est_state.values())
+    return {"layout": name, "precision": t.precision, "world": dims.world_size, "step_s": step_s,
+            "tokens_per_s": t.global_batch_size * t.seq_len / step_s if step_s else None,
+            "state_bytes_rank0": measured_state, "estimated_state_bytes_rank0": estimated_state,
+            "state_ratio": measured_state / estimated_state,
+            "state_breakdown_rank0": {k: state[k] for k in STATE},
+            "estimated_state_breakdown_rank0": est_state,
+            "named_buffers_rank0": {k: state[k] for k in ("zero1_grad_shards", "master_grads", "buffers")},
+            "wire_bytes_per_step": wire, "estimated_wire_bytes_per_step": est_wire,
+            "wire_ratio": ratios(wire, est_wire),
             "calls_per_step": {k: v["calls"] for k, v in summary.items()},
             "optimizer_state_bytes_rank0": optimizer_state_bytes(opt)}
 
@@ -146,34 +215,29 @@ def worker(out: str, names: list[str], a: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up")
+    p.add_argument("--steps", type=int, default=4, help="timed steps after a warm-up and a counted step")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.worker:
-        worker(a.worker[0], a.worker[1:], a)
-        return
-    names = [n for n in (a.only.split(",") if a.only else LAYOUTS) if n]
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        raise SystemExit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
-    torch.set_num_threads(1)
-    base = measure("one", a)  # the baseline, in this process, in the same run
-    rows = [base] if "one" in names else []
+    return p
+
+
+def run_layouts(names: list[str], a: argparse.Namespace) -> list[dict]:
+    """Measure the multi-process layouts `names`: one torchrun launch per world size; rows in launch order."""
     by_world: dict[int, list[str]] = {}
     for n in names:
-        if n != "one":
-            by_world.setdefault(world_of(n), []).append(n)
+        by_world.setdefault(world_of(n), []).append(n)
     flags = ["--dim", str(a.dim), "--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch),
-             "--micro", str(a.micro), "--steps", str(a.steps)]
+             "--micro", str(a.micro), "--steps", str(a.steps), "--precision", a.precision]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    rows: list[dict] = []
     for world, group in sorted(by_world.items()):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
@@ -183,10 +247,27 @@ def main() -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"world {world} layouts {group} failed:\n{proc.stderr[-4000:]}")
             rows += json.loads(out.read_text())
-    ddp_bytes = {r["world"]: sum(r["bytes_per_step"].values()) for r in rows if r["layout"] == f"ddp{r['world']}"}
+    return rows
+
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.worker:
+        worker(a.worker[0], a.worker[1:], a)
+        return
+    names = [n for n in (a.only.split(",") if a.only else LAYOUTS) if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
+    torch.set_num_threads(1)
+    base = measure("one", a)  # the baseline, in this process, in the same run
+    rows = ([base] if "one" in names else []) + run_layouts([n for n in names if n != "one"], a)
+    ddp_bytes = {r["world"]: sum(r["wire_bytes_per_step"].values()) for r in rows
+                 if r["layout"] == f"ddp{r['world']}"}
     for r in rows:
-        r["speedup_vs_one"] = r["tokens_per_s"] / base["tokens_per_s"]
-        total = sum(r["bytes_per_step"].values())
+        if r["tokens_per_s"] and base["tokens_per_s"]:
+            r["speedup_vs_one"] = r["tokens_per_s"] / base["tokens_per_s"]
+        total = sum(r["wire_bytes_per_step"].values())
         if r["world"] in ddp_bytes and ddp_bytes[r["world"]]:
             r["bytes_vs_ddp"] = total / ddp_bytes[r["world"]]
         print(json.dumps(r), flush=True)

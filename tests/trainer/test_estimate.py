@@ -137,12 +137,16 @@ def test_busiest_rank_holds_p_micro_batches_and_logits(seed):
     assert first["bytes"]["activations"] == pytest.approx(p * 3 * per_layer)  # 1F1B: p in flight on stage 0
     assert last["bytes"]["activations"] == pytest.approx(1 * 2 * per_layer)
     assert last["bytes"]["logits"] == 4 * s * b * V / tp and first["bytes"]["logits"] == 0
-    # ZeRO-1 over dp=2: 2 + 2 bytes kept, 12 sharded; the embedding and 3 layers split over tp=2.
-    params0 = (32000 * 4096 + 3 * f.layer_params(4096, 32, 32, 128, 11008)["total"]) / tp
+    # ZeRO-1 over dp=2: 2 + 2 bytes kept, 12 sharded; the embedding and 3 layers split over tp=2 but for
+    # their norm gains, whole on every tp rank (trainer/parallel/tensor_parallel.py).
+    layer = f.layer_params(4096, 32, 32, 128, 11008)
+    assert layer["tp_whole"] == 2 * 4096
+    params0 = (32000 * 4096 + 3 * (layer["total"] - layer["tp_whole"])) / tp + 3 * layer["tp_whole"]
     assert first["bytes"]["weights"] + first["bytes"]["grads"] + first["bytes"]["optimizer"] == pytest.approx(
         params0 * (2 + 2 + 12 / 2))
     assert seed["busiest_pp_rank"] == 0 and seed["busiest_rank_bytes"] == pytest.approx(first["total_bytes"])
-    assert (first["params"] + last["params"]) * tp == seed["params"]  # every parameter on exactly one stage
+    gains = 5 * 2 * 4096 + 4096  # every layer's two norms and the final norm, replicated over tp
+    assert (first["params"] + last["params"] - gains) * tp + gains == seed["params"]  # each on one stage
 
 
 def test_zero_stages_per_rank():
@@ -155,6 +159,24 @@ def test_zero_stages_per_rank():
     assert by_zero["1"] == pytest.approx((2 + 2 + 12 / 8) * n)
     assert by_zero["2"] == pytest.approx((2 + 14 / 8) * n)
     assert by_zero["3"] == pytest.approx(16 * n / 8)
+
+
+def test_fsdp_keeps_fp32_shards_as_masters():
+    """ZeRO-3 is FSDP2: fp32 parameter and gradient shards plus the moments, 16/d bytes per parameter with or
+    without fp32 gradient reduction (not the seed's 18: the bf16 weight exists only while gathered); on the
+    wire the weights go in bf16 and the gradients in bf16, or fp32 with fp32_grad_accum."""
+    base = ["parallel.dp=8", "parallel.tp=1", "parallel.pp=1", "parallel.pp_split=auto",
+            "parallel.sequence_parallel=false", "parallel.zero=3"]
+    plain = estimate_run(load_preset("seed-1b", base))
+    acc = estimate_run(load_preset("seed-1b", base + ["pretrain.fp32_grad_accum=true"]))
+    n = plain["params"]
+    for est in (plain, acc):
+        assert est["state_bytes_per_rank"] == pytest.approx(16 * n / 8)
+        assert est["state_bytes_per_param_breakdown"] == {"weights": 4, "grads": 4, "optimizer": 8}
+    gather, reduce = 2 * 7 / 8 * n * 2, 7 / 8 * n  # per micro-batch: a forward and a backward gather of bf16
+    m = plain["micro_batches"]
+    assert plain["comm_bytes_per_step"]["dp"] == pytest.approx(m * gather + 2 * reduce)
+    assert acc["comm_bytes_per_step"]["dp"] == pytest.approx(m * gather + 4 * reduce)
 
 
 def test_collective_bytes():
@@ -172,8 +194,12 @@ def test_collective_bytes():
              - f.data_parallel_bytes(g / 2, 2, 4, reductions=4))
     assert hsdp1 > 0 and hsdp4 == pytest.approx(4 * hsdp1)
     est = estimate_run(load_preset("seed-1b"))
-    # TP: 4 all-reduces per layer per micro-batch, 3 layers on stage 0, 4 micro-batches, ring over t=2.
-    assert est["comm_bytes_per_step"]["tp"] == pytest.approx(4 * 3 * 4 * 32 * MiB)
+    # TP: 4 all-reduces per layer per micro-batch, 3 layers on stage 0, and the vocab-parallel embedding's
+    # all-reduce; 4 micro-batches, ring over t=2 (2(t-1)/t = 1); the 2 x 3 norm gains' partial bf16 gradients
+    # once (sequence parallel is on).
+    assert est["comm_bytes_per_step"]["tp"] == pytest.approx((4 * 3 + 1) * 4 * 32 * MiB + 2 * 3 * 4096 * 2)
+    stage1 = est["stages"][1]["comm_bytes"]["tp"]  # 2 layers, the head's input gradient, the cross-entropy's 3
+    assert stage1 == pytest.approx((4 * 2 + 1) * 4 * 32 * MiB + 4 * 3 * 2 * 2048 * 4 + (2 * 2 + 1) * 4096 * 2)
     # PP: 4 micro-batches cross the one boundary forward and back; sequence parallel halves the tensor.
     assert est["comm_bytes_per_step"]["pp"] == pytest.approx(4 * 16 * MiB)
     cp = estimate_run(load_preset("seed-1b", ["parallel.cp=2", "parallel.dp=1", "pretrain.global_batch_size=8"]))

@@ -34,7 +34,10 @@ def layer_params(dim: int, n_heads: int, kv_heads: int, head_dim: int, ffn_dim: 
                  shared_expert: bool = False) -> dict[str, int]:
     """One block's parameters: attention (q, k, v, o), two RMSNorms, and a SwiGLU MLP or an MoE.
 
-    Returns total, active (per token: top_k of the routed experts), and routed (the experts' share).
+    Returns total, active (per token: top_k of the routed experts), routed (the experts' share), and
+    tp_whole: what tensor parallelism does not split (trainer/parallel/tensor_parallel.py): the norm gains,
+    and an MoE layer's router and shared expert (MoE layers stay whole on every tp rank; their routed
+    experts are split by expert parallelism only).
     """
     attention = dim * n_heads * head_dim * 2 + dim * kv_heads * head_dim * 2  # q, o and k, v (GQA)
     norms = 2 * dim + (2 * head_dim if qk_norm else 0)
@@ -45,10 +48,10 @@ def layer_params(dim: int, n_heads: int, kv_heads: int, head_dim: int, ffn_dim: 
         routed = num_experts * expert
         total = attention + norms + router + shared + routed
         active = attention + norms + router + shared + top_k * expert
-        return {"total": total, "active": active, "routed": routed}
+        return {"total": total, "active": active, "routed": routed, "tp_whole": norms + router + shared}
     mlp = 3 * dim * ffn_dim
     total = attention + norms + mlp
-    return {"total": total, "active": total, "routed": 0}
+    return {"total": total, "active": total, "routed": 0, "tp_whole": norms}
 
 
 def model_layer_params(model) -> list[dict[str, int]]:
@@ -85,10 +88,12 @@ def param_counts(model) -> dict[str, int]:
 
 
 def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False,
-                          optimizer: str = "adamw") -> dict[str, int]:
+                          optimizer: str = "adamw", fsdp: bool = False) -> dict[str, int]:
     """Bytes per parameter of weights, gradients and optimizer state (seed: 2 + 2 + 12 = 16; 18 with
     fp32 gradient accumulation). fp32 training keeps no separate master copy (4 + 4 + 8 = 16).
-    SGD keeps one momentum buffer instead of Adam's two moments."""
+    SGD keeps one momentum buffer instead of Adam's two moments. FSDP2 under bf16 (trainer/parallel/fsdp.py)
+    keeps fp32 parameter shards that are the masters and fp32 gradient shards, gathering bf16 only for
+    compute: 4 + 4 + 8 = 16 with or without fp32 gradient reduction."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be bf16 or fp32, got {precision!r}")
     weights = 2 if precision == "bf16" else 4
@@ -97,6 +102,8 @@ def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False
     if moments is None:
         raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
     master = 4 if precision == "bf16" else 0
+    if fsdp:
+        return {"weights": 4, "grads": 4, "optimizer": moments}
     return {"weights": weights, "grads": grads, "optimizer": master + moments}
 
 
@@ -210,6 +217,30 @@ def data_parallel_bytes(params: float, zero: int, n: int, *, grad_bytes: int = 2
 def hsdp_allreduce_bytes(params: float, grad_bytes: float, n: int, replicate: int) -> float:
     """HSDP's share of data-parallel traffic: each rank's gradient shard (1/n) all-reduced across replicas."""
     return ring_allreduce_bytes(params * grad_bytes / n, replicate)
+
+
+def tensor_parallel_bytes(act_tensor: float, t: int, *, dense_layers: int, moe_layers: int = 0,
+                          holds_embedding: bool = False, holds_head: bool = False, tokens: int = 0,
+                          sequence_parallel: bool = False, norm_gains: int = 0, gain_bytes: float = 2,
+                          micro_batches: int = 1) -> float:
+    """Bytes one tensor-parallel rank sends per step (trainer/parallel/tensor_parallel.py, vocab_parallel.py).
+
+    Per micro-batch, in all-reduces of one [b, s, h] activation (`act_tensor` bytes; sequence parallel swaps
+    each for a reduce-scatter + all-gather, the same bytes, seed): 2 forward and 2 backward per layer (seed);
+    an MoE layer (not split over tp) only its attention's 2, plus under sequence parallel the gather of its
+    input and, backward, of its output's gradient; the vocab-parallel embedding's all-reduce forward ("an
+    all-reduce fills in the rest") and the LM head's input gradient backward; and the cross-entropy's "three
+    tiny all-reduces" of one fp32 value per position (max, sum of exponentials, target logit). Once a step,
+    under sequence parallel: the norm gains' gradients, partial on each rank (each saw part of the sequence).
+    Not counted: the gradient norm's scalars."""
+    if t <= 1:
+        return 0.0
+    tensors = 4 * dense_layers + (3 if sequence_parallel else 2) * moe_layers + holds_embedding + holds_head
+    per_micro = tensors * ring_allreduce_bytes(act_tensor, t)
+    if holds_head:
+        per_micro += 3 * ring_allreduce_bytes(4 * tokens, t)
+    gains = ring_allreduce_bytes(norm_gains * gain_bytes, t) if sequence_parallel else 0.0
+    return micro_batches * per_micro + gains
 
 
 def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> float:

@@ -3,7 +3,8 @@ pipeline schedule. A pure function of the config: no torch, nothing allocated.
 
 Layout rules it assumes (those of `trainer/parallel/`): ranks ordered dp (dp_replicate x dp_shard), pp,
 cp, tp (tp innermost); pipeline chunk c (of pp x pp_virtual_stages) lives on pipeline rank c % pp;
-tensor parallelism splits every matrix (and the vocabulary) t ways; experts are split over ep and tp;
+tensor parallelism splits every matrix (and the vocabulary) t ways but norm gains and MoE layers, whose
+experts are split over ep only;
 ZeRO shards dense state over dp x cp ranks (dp_shard x cp under ZeRO 2/3 with HSDP) and expert state
 over the dp x cp / ep ranks that hold the same experts.
 """
@@ -66,8 +67,13 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     model, par, train, est = cfg.model, cfg.parallel, cfg.pretrain, cfg.estimate
     counts = f.param_counts(model)
     layers = f.model_layer_params(model)
-    per_param = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer)
+    # ZeRO-3 is FSDP2 (trainer/parallel/fsdp.py): its fp32 shards are the masters. (ZeRO-2's estimate keeps the
+    # seed's whole bf16 weights: FSDP2 holds them gathered from forward to backward.)
+    fsdp = par.zero == 3 and par.dp_shard > 1
+    per_param = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer, fsdp=fsdp)
     act_bytes = 2 if train.precision == "bf16" else 4
+    # On the wire: weights in the compute dtype, gradients too unless reduced in fp32 (fp32_grad_accum).
+    wire_grad = 4 if (train.fp32_grad_accum or train.precision == "fp32") else 2
     recompute = recompute_mode(cfg)
 
     p, v, tp, cp, ep, dp = par.pp, par.pp_virtual_stages, par.tp, par.cp, par.ep, par.dp
@@ -106,7 +112,10 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             dense += model.dim + counts["head"]  # final norm and LM head
             if model.tie_embeddings and p > 1:
                 dense += counts["embedding"]  # a tied head on its own stage keeps a copy of the table
-        dense_rank, routed_rank = dense / tp, routed / (tp * ep)
+        # Tensor parallelism splits every matrix but the norm gains and MoE layers (router, shared expert);
+        # routed experts are split over ep only.
+        whole = sum(layers[i]["tp_whole"] for i in ids) + (model.dim if holds_head else 0)  # + the final norm
+        dense_rank, routed_rank = (dense - whole) / tp + whole, routed / ep
         state = {k: a + b for (k, a), b in zip(
             f.zero_state_bytes(dense_rank, per_param, par.zero, dense_shard).items(),
             f.zero_state_bytes(routed_rank, per_param, par.zero, expert_shard).values())}
@@ -114,8 +123,9 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
         for z in (0, 1, 2, 3):
             replicas = par.dp_replicate if z >= 2 else 1  # HSDP replicates only sharded (ZeRO 2/3) state
             zs, es = dp // replicas * cp, max(1, dp * cp // ep // replicas)
-            by_zero[str(z)] = (sum(f.zero_state_bytes(dense_rank, per_param, z, zs).values())
-                               + sum(f.zero_state_bytes(routed_rank, per_param, z, es).values()))
+            pz = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer, fsdp=z == 3)
+            by_zero[str(z)] = (sum(f.zero_state_bytes(dense_rank, pz, z, zs).values())
+                               + sum(f.zero_state_bytes(routed_rank, pz, z, es).values()))
         chunk_bytes = [sum(layer_act(i, recompute) for i in chunks[c]) for c in range(n_chunks)]
         if timeline is not None:
             activations = timeline.peak_held(r, chunk_bytes)
@@ -147,7 +157,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
 
     # Collectives: bytes one rank sends per step, on the rank that sends most.
     act_tensor = mbs * s_local * model.dim * act_bytes  # one [b, s, h] activation
-    weight_bytes = per_param["weights"]
+    weight_bytes = act_bytes
 
     # FSDP (ZeRO 2/3) reduce-scatters every micro-batch's gradients, except inside a pipeline schedule,
     # which holds them to the stage's last micro-batch (trainer/parallel/fsdp.py, pipeline.py).
@@ -156,14 +166,17 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     def comm(st: dict) -> dict[str, float]:
         n_layers = len(st["layers"])
         moe_layers = sum(1 for i in st["layers"] if layers[i]["routed"])
-        dp_bytes = f.data_parallel_bytes(st["dense_params"], par.zero, dense_shard, grad_bytes=per_param["grads"],
+        dp_bytes = f.data_parallel_bytes(st["dense_params"], par.zero, dense_shard, grad_bytes=wire_grad,
                                          weight_bytes=weight_bytes, micro_batches=micro_batches,
                                          replicate=par.dp_replicate if par.zero >= 2 else 1, reductions=reductions)
-        dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=per_param["grads"],
+        dp_bytes += f.data_parallel_bytes(st["expert_params"], par.zero, expert_shard, grad_bytes=wire_grad,
                                           weight_bytes=weight_bytes, micro_batches=micro_batches, reductions=reductions)
-        # TP: 2 all-reduces forward and 2 backward per layer per micro-batch (seed); sequence parallel swaps
-        # each for a reduce-scatter + all-gather, the same bytes.
-        tp_bytes = 4 * n_layers * micro_batches * f.ring_allreduce_bytes(act_tensor, tp)
+        gains = 2 * n_layers * model.dim + (model.dim if st["holds_head"] else 0)
+        tp_bytes = f.tensor_parallel_bytes(
+            act_tensor, tp, dense_layers=n_layers - moe_layers, moe_layers=moe_layers,
+            holds_embedding=st["holds_embedding"], holds_head=st["holds_head"], tokens=mbs * s_local,
+            sequence_parallel=par.sequence_parallel, norm_gains=gains, gain_bytes=act_bytes,
+            micro_batches=micro_batches)
         boundary = act_tensor / (tp if par.sequence_parallel else 1)
         sends = sum((c < last) + (c > 0) for c in st["chunks"])  # activation forward, its gradient back
         pp_bytes = micro_batches * boundary * sends if p > 1 else 0.0
@@ -183,15 +196,18 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             cp_bytes = 0.0
         ep_bytes = 0.0
         if ep > 1 and model.moe is not None:
-            # Dispatch and combine forward, and both again backward: each token's top_k copies of h.
+            # Dispatch and combine forward, and both again backward: each token's top_k copies of h, of which
+            # (ep-1)/ep leave the rank under balanced routing (a real router's share moves with its imbalance).
             routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
             ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
-        hsdp = (reductions * f.hsdp_allreduce_bytes(st["dense_params"], per_param["grads"], dense_shard,
-                                                    par.dp_replicate) if par.zero >= 2 else 0.0)
+        hsdp = (reductions * f.hsdp_allreduce_bytes(st["dense_params"], wire_grad, dense_shard, par.dp_replicate)
+                if par.zero >= 2 else 0.0)
         return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes, "cp": cp_bytes, "ep": ep_bytes, "hsdp": hsdp}
 
     per_rank_comm = [comm(st) for st in stages]
+    for st, c in zip(stages, per_rank_comm):
+        st["comm_bytes"] = c  # what one rank of this pipeline stage sends per step, by dimension
     comm_bytes = {k: max(c[k] for c in per_rank_comm) for k in per_rank_comm[0]}
 
     # Seconds on the link each dimension's groups use (seed: NVLink ~450 GB/s each way inside a node,

@@ -8,7 +8,8 @@ algorithms (seed: "split the gradient into N chunks and pass them around a ring 
     all-reduce           2 (d-1)/d * N      (a reduce-scatter followed by an all-gather)
     reduce-scatter       (d-1)/d * N        N = the full (unsharded) buffer
     all-gather           (d-1)/d * N
-    all-to-all           (d-1)/d * N
+    all-to-all           (d-1)/d * N        with uneven splits (expert parallel's dispatch/combine):
+                                             exactly the rows sent to the other ranks
     broadcast / scatter  N (upper bound)
     send                 N                  (point to point: ring attention's K/V hops, pipeline
                                              boundaries; a receive is the sender's bytes, not counted)
@@ -65,9 +66,12 @@ class Collective:
     elements: int  # the full buffer N
     element_size: int
     backward: bool
+    sent: int | None = None  # elements sent to other ranks, when the splits say (uneven all-to-all)
 
     @property
     def wire_bytes(self) -> float:
+        if self.sent is not None:
+            return self.sent * self.element_size
         return wire_factor(self.kind, self.group_size) * self.elements * self.element_size
 
 
@@ -77,6 +81,18 @@ def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)):
         return [t for item in x for t in _tensors(item)]
     return []
+
+
+def _sent_off_rank(name: str, args, pg) -> int | None:
+    """Elements an uneven all-to-all (c10d.alltoall_base_: output, input, group, output_splits,
+    input_splits) sends to the other ranks: the input less the rows it keeps. None for anything else."""
+    if "alltoall_base" not in name or pg is None or len(args) < 5:
+        return None
+    source, splits = args[1], args[4]
+    if not isinstance(source, torch.Tensor) or not splits or source.shape[0] != sum(splits):
+        return None  # even splits: the (d-1)/d rule is exact
+    row = source.numel() // max(source.shape[0], 1)
+    return (source.shape[0] - splits[pg.rank()]) * row
 
 
 class CommCounter(CommDebugMode):
@@ -116,7 +132,7 @@ class CommCounter(CommDebugMode):
 
     def _record(self, name: str, args, kwargs) -> None:
         kind = kind_of(name)
-        group_name, size = None, None
+        group_name, size, pg = None, None, None
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, torch.ScriptObject):
                 try:
@@ -142,7 +158,8 @@ class CommCounter(CommDebugMode):
         dim = self.group_names.get(group_name) or self._dim_by_ranks(group_name, size)
         self.records.append(Collective(kind=kind, dim=dim, group_size=size or 1, elements=elements,
                                        element_size=tensors[0].element_size(),
-                                       backward=torch._C._current_graph_task_id() != -1))
+                                       backward=torch._C._current_graph_task_id() != -1,
+                                       sent=_sent_off_rank(name, args, pg)))
 
     def _dim_by_ranks(self, group_name: str | None, size: int | None) -> str:
         """A group not in the table (another mesh object over the same ranks, e.g. a cached one) is
