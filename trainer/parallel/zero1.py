@@ -118,7 +118,7 @@ class DistributedOptimizer:
         if not trainable:
             raise ValueError("ZeRO-1: the model has no trainable parameters")
         self.fqns = {n: fqn_of(model, n) for n, _ in trainable}
-        self.own_masters = any(p.dtype != torch.float32 for _, p in trainable)  # masters are copies  # the names of the model's state dict
+        self.own_masters = any(p.dtype != torch.float32 for _, p in trainable)  # masters are copies
         self._table = None  # zero1_state.ShardTable, built at the first state_dict()
         self._boxes: dict[int, list] = {}
         named = [(n, p) for n, p in trainable if id(p) not in local_ids]
