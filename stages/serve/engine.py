@@ -10,6 +10,7 @@ it from the server's event loop.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -186,6 +187,19 @@ class _Detok:
             self.read_offset = len(ids)
 
 
+def model_stop_token_ids(model_dir: Path, *ids: int | None) -> frozenset[int]:
+    """The ids that end a generation: `ids` (config.json's and the tokenizer's EOS) and every id of
+    config.json's and generation_config.json's `eos_token_id` (a chat model lists its end-of-turn
+    token there; vLLM and transformers' generate stop on all of them)."""
+    found = {i for i in ids if i is not None}
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            found.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(int(i) for i in found)
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, tokenizer=None,
                  metrics: ServeMetrics | None = None):
@@ -239,6 +253,7 @@ class LLMEngine:
             draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = model_stop_token_ids(self.model_dir, self.eos_token_id, self.tokenizer.eos_token_id)
         self.metrics = metrics or ServeMetrics()
         self.metrics.running.set_function(lambda: len(self.scheduler.running), model=self.model_name)
         self.metrics.waiting.set_function(lambda: len(self.scheduler.waiting), model=self.model_name)
@@ -294,7 +309,7 @@ class LLMEngine:
     def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> Request:
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        return Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                        generator=make_generator(params, self.model.device))
 
     def _enqueue(self, req: Request) -> None:
@@ -426,9 +441,10 @@ class LLMEngine:
                 d.flush(out_ids)
             if d.stop and len(d.text) > seen:
                 lo = max(0, seen - d.hold)
-                hits = [i for i in (d.text.find(x, lo) for x in d.stop) if i >= 0]
+                hits = [(i, x) for x in d.stop if (i := d.text.find(x, lo)) >= 0]
                 if hits:
-                    d.text = d.text[:min(hits)]
+                    at, found = min(hits)
+                    d.text = d.text[:at + (len(found) if req.params.include_stop_str_in_output else 0)]
                     if not req.is_finished:
                         self.scheduler.finish_request(req.request_id, "stop")
                         req.finish_reason = "stop"
