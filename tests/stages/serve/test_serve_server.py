@@ -93,7 +93,7 @@ def eng_score(router, ctx, cont):
 @pytest.mark.parametrize("body, needle", [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**7}, "context length"),
