@@ -25,17 +25,59 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SPECIAL_TOKENS = [BOS, EOS, PAD, *ROLE_TOKENS]  # ids 0..6, in this order
 
-# Each message: <|role|>\n content <|end|>\n ; generation starts after "<|assistant|>\n".
+# Each message: <|role|>\n content <|end|>\n ; generation starts after "<|assistant|>\n". The five roles
+# of OpenAI's chat API render onto the three role tokens the model is trained with: a developer message
+# (OpenAI's newer name for the system message) is a system turn, a tool result is a user turn wrapped in
+# <tool_response> (Qwen2.5's convention), an assistant's tool calls follow its text as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the Hermes format vLLM's `hermes` tool parser
+# reads), and a `tools` list is a first system turn holding each function's JSON schema. Content may be a
+# string or a list of text parts (joined by newlines, as vLLM joins them for a string template); anything
+# else raises, naming what it cannot render.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('chat roles are system, user and assistant, got ' + message['role']) }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n# Tools\\nTo call a function, reply with <tool_call>{\"name\": <function name>, "
+    "\"arguments\": <JSON object>}</tool_call> for each call. The functions:\\n' }}"
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\\n' }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% for message in messages %}"
+    "{% set role = message['role'] %}"
+    "{% if role not in ['system', 'developer', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('chat roles are system, developer, user, assistant and tool, got ' + role|string) }}"
+    "{% endif %}"
+    "{% set content = message['content'] if message['content'] is defined and message['content'] is not none else '' %}"
+    "{% if content is not string %}"
+    "{% set joined = namespace(text='') %}"
+    "{% for part in content %}"
+    "{% if part['type'] != 'text' or part['text'] is not string %}"
+    "{{ raise_exception('only text content parts can be rendered, got a part of type ' + part['type']|string) }}"
+    "{% endif %}"
+    "{% set joined.text = joined.text + ('' if loop.first else '\\n') + part['text'] %}"
+    "{% endfor %}"
+    "{% set content = joined.text %}"
+    "{% endif %}"
+    "{% if role == 'assistant' %}"
+    "{{ '<|assistant|>\\n' + content }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if fn['name'] is not string %}{{ raise_exception('a tool call needs a function name') }}{% endif %}"
+    "{{ '<tool_call>{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' }}"
+    "{{ fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}"
+    "{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\\n' }}"
+    "{% elif role == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>' + content + '</tool_response><|end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|' + ('system' if role == 'developer' else role) + '|>\\n' + content + '<|end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+END_OF_TURN = "<|end|>"  # closes every turn: a stop token wherever the model goes (export, GGUF, serve)
 
 
 def train_bpe(texts, vocab_size: int, min_frequency: int):
@@ -148,6 +190,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return summary
 
 
-__all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "ROLE_TOKENS", "SPECIAL_TOKENS", "load_tokenizer", "run", "save_hf",
+__all__ = ["BOS", "CHAT_TEMPLATE", "END_OF_TURN", "EOS", "PAD", "ROLE_TOKENS", "SPECIAL_TOKENS", "load_tokenizer", "run", "save_hf",
            "token_stats", "train_bpe"]
 

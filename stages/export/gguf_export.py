@@ -1,6 +1,7 @@
 """GGUF for llama.cpp, written with the `gguf` package: F16 / BF16 / Q8_0 / Q4_0 weights with llama.*
 metadata (context, widths, head counts, RoPE base, RMSNorm eps) and the tokenizer as GPT-2-style BPE
-metadata (tokens, types, merges, special ids).
+metadata (tokens, types, merges, special ids, the end-of-turn id and the chat template, so llama.cpp's
+chat endpoints render turns and stop at their end).
 
 RoPE layout: llama.cpp's `llama` architecture rotates adjacent pairs (x[2i], x[2i+1]) (Meta's layout),
 while Hugging Face (and our model) rotates the two halves (x[i], x[i + d/2]). The same model in both
@@ -133,9 +134,13 @@ def tokenizer_metadata(tokenizer_dir: Path | None, vocab_size: int) -> dict[str,
             tokens[i] = tok
             types[i] = int(_token_type("CONTROL" if tok in special else "NORMAL"))
     merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
-    from .hf import special_token_ids
+    from .hf import end_of_turn, special_token_ids
 
-    return {"tokens": tokens, "types": types, "merges": merges, **special_token_ids(tokenizer_dir)}
+    conf_path = tokenizer_dir / "tokenizer_config.json"
+    template = json.loads(conf_path.read_text()).get("chat_template") if conf_path.is_file() else None
+    eot = end_of_turn(tokenizer_dir)
+    return {"tokens": tokens, "types": types, "merges": merges, **special_token_ids(tokenizer_dir),
+            "eot_token_id": eot[1] if eot else None, "chat_template": template if isinstance(template, str) else None}
 
 
 def _token_type(name: str):
@@ -189,6 +194,10 @@ def write_gguf(sd: dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path, 
             if tok.get(key) is not None:
                 add(tok[key])
         w.add_add_bos_token(False)  # our tokenizer adds no BOS when encoding plain text
+        if tok.get("eot_token_id") is not None:  # llama.cpp ends a chat turn on its end-of-generation ids
+            w.add_eot_token_id(tok["eot_token_id"])
+        if tok.get("chat_template"):
+            w.add_chat_template(tok["chat_template"])
     if cfg.moe is not None:
         w.add_expert_count(cfg.moe.num_experts)
         w.add_expert_used_count(cfg.moe.top_k)

@@ -173,6 +173,21 @@ def special_token_ids(tokenizer_dir: Path | None) -> dict[str, int | None]:
     return ids
 
 
+def end_of_turn(tokenizer_dir: Path | None) -> tuple[str, int] | None:
+    """(token, id) of the chat template's end-of-turn token, when the tokenizer artifact has a chat
+    template that closes turns with a special token of its vocabulary (stages/tokenizer.py's `<|end|>`)."""
+    from ..tokenizer import END_OF_TURN
+
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return None
+    conf_path = tokenizer_dir / "tokenizer_config.json"
+    template = json.loads(conf_path.read_text()).get("chat_template") if conf_path.is_file() else None
+    if not isinstance(template, str) or END_OF_TURN not in template:
+        return None
+    added = {t["content"]: t["id"] for t in json.loads((tokenizer_dir / "tokenizer.json").read_text()).get("added_tokens", [])}
+    return (END_OF_TURN, added[END_OF_TURN]) if END_OF_TURN in added else None
+
+
 def hf_config(cfg: ModelConfig, arch: str, dtype: str, token_ids: dict[str, int | None]) -> dict[str, Any]:
     """config.json for the target architecture, mapping our ModelConfig field by field."""
     c: dict[str, Any] = {
@@ -291,6 +306,10 @@ def _natural_key(name: str):
 
 
 def copy_tokenizer(tokenizer_dir: Path | None, out_dir: Path) -> list[str]:
+    """The tokenizer files beside the weights. A chat tokenizer's end-of-turn token becomes the
+    shipped tokenizer's eos_token (as chat models ship, e.g. Qwen2.5-Instruct's `<|im_end|>`): what
+    vLLM (`tokenizer.eos_token_id`), lm-eval and transformers' pipelines stop a chat turn on. The
+    document EOS stays a stop token through generation_config.json."""
     if tokenizer_dir is None:
         return []
     copied = []
@@ -300,12 +319,33 @@ def copy_tokenizer(tokenizer_dir: Path | None, out_dir: Path) -> list[str]:
             copied.append(name)
     if "tokenizer.json" not in copied:
         raise FileNotFoundError(f"tokenizer artifact {tokenizer_dir} has no tokenizer.json")
+    eot = end_of_turn(tokenizer_dir)
+    if eot is not None:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            path = out_dir / name
+            if path.is_file():
+                conf = json.loads(path.read_text())
+                old = conf.get("eos_token")
+                conf["eos_token"] = {**old, "content": eot[0]} if isinstance(old, dict) else eot[0]
+                path.write_text(json.dumps(conf, indent=2))
     return copied
 
 
-def generation_config(token_ids: dict[str, int | None]) -> dict[str, Any]:
-    """Greedy by default: the export's checks and evaluation expect deterministic decoding."""
-    return {"do_sample": False, **{k: v for k, v in token_ids.items() if v is not None}}
+def generation_config(token_ids: dict[str, int | None], end_of_turn_id: int | None = None) -> dict[str, Any]:
+    """Greedy by default: the export's checks and evaluation expect deterministic decoding. With a
+    chat template's end-of-turn token, eos_token_id is the list [EOS, end of turn]: transformers'
+    generate and vLLM stop on every id of it."""
+    conf = {"do_sample": False, **{k: v for k, v in token_ids.items() if v is not None}}
+    if end_of_turn_id is not None:
+        eos = conf.get("eos_token_id")
+        conf["eos_token_id"] = [i for i in (eos, end_of_turn_id) if i is not None]
+    return conf
+
+
+def write_generation_config(out_dir: Path, token_ids: dict[str, int | None], tokenizer_dir: Path | None) -> None:
+    eot = end_of_turn(tokenizer_dir)
+    conf = generation_config(token_ids, eot[1] if eot else None)
+    (out_dir / "generation_config.json").write_text(json.dumps(conf, indent=2))
 
 
 def write_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *, dtype: str = "bfloat16",
@@ -321,7 +361,7 @@ def write_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
     ids = special_token_ids(tok_dir)
     files = write_safetensors(tensors, out, int(max_shard_mb * 2**20))
     (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, dtype, ids), indent=2))
-    (out / "generation_config.json").write_text(json.dumps(generation_config(ids), indent=2))
+    write_generation_config(out, ids, tok_dir)
     copy_tokenizer(tok_dir, out)
     nbytes = sum((out / f).stat().st_size for f in files)
     return {"architecture": ARCH_CLASS[arch], "model_type": arch, "files": files, "bytes": nbytes}

@@ -125,7 +125,7 @@ def write_quantized_folder(sd: dict[str, torch.Tensor], cfg: ModelConfig, out: P
     if note:
         conf["quantization_config"]["eightfold"] = note
     (out / "config.json").write_text(json.dumps(conf, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(hf_layout.generation_config(ids), indent=2))
+    hf_layout.write_generation_config(out, ids, tokenizer_dir)
     hf_layout.copy_tokenizer(tokenizer_dir, out)
     return sum((out / f).stat().st_size for f in files)
 

@@ -68,7 +68,7 @@ class AsyncEngine:
         self.engine.check_request(ids, params)  # ValueError -> 400 before anything is queued
         cfg = self.engine.config
         if len(self._queues) >= cfg.max_waiting + cfg.max_num_seqs:
-            self.engine.metrics.rejected.inc(model=self.model_name)
+            self.engine.metrics.rejected.inc(**self.engine.metric_labels)
             raise Overloaded(f"server overloaded: {len(self._queues)} requests in flight")
         rid = request_id or f"{self.model_name}-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()

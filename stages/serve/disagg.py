@@ -13,7 +13,7 @@ token reaches the client once the K/V has landed, so time to first token counts 
 
 In one process here; the payload is the same bytes that would cross a socket or the object store,
 and its size and the transfer time (export, serialise, deserialise, import) are recorded as
-`eightfold_kv_transfer_bytes_total` and `eightfold_kv_transfer_seconds`. Requests asking for prompt
+`eightfold:kv_transfer_bytes_total` and `eightfold:kv_transfer_seconds`. Requests asking for prompt
 logprobs (which need every prompt token's logits) and requests of at most one token (nothing to
 decode) run whole on a decode engine. Metrics under the service's model name count each request
 once (TTFT from the front's arrival, through the transfer); the prefill engines carry their own
@@ -119,8 +119,8 @@ class DisaggregatedEngine:
         s.num_blocks += res.num_blocks
         s.num_imported += res.num_imported
         m = dst.metrics
-        m.kv_transfer_bytes.inc(len(data), model=dst.model_name)
-        m.kv_transfer_time.observe(dt, model=dst.model_name)
+        m.kv_transfer_bytes.inc(len(data), **dst.metric_labels)
+        m.kv_transfer_time.observe(dt, **dst.metric_labels)
         return payload
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -144,10 +144,11 @@ class DisaggregatedEngine:
                     first = out
                 assert first is not None and first.finished
                 if first.finish_reason != "length":  # EOS or a stop token: nothing left to decode
-                    m, name = self.engine.metrics, self.model_name  # the service's view; the prefill pool counted it too
-                    m.ttft.observe(time.monotonic() - arrival, model=name)
-                    m.e2e.observe(time.monotonic() - arrival, model=name)
-                    m.requests.inc(model=name, finish_reason=first.finish_reason or "stop")
+                    # the service's view; the prefill pool counted it too
+                    m, labels = self.engine.metrics, self.engine.metric_labels
+                    m.ttft.observe(time.monotonic() - arrival, **labels)
+                    m.e2e.observe(time.monotonic() - arrival, **labels)
+                    m.requests.inc(**labels, finished_reason=first.finish_reason or "stop")
                     yield dataclasses.replace(first, request_id=rid)
                     return
                 d = self._least_loaded(self.decode)
@@ -161,7 +162,7 @@ class DisaggregatedEngine:
             prefilled = dataclasses.replace(payload.prefilled(), arrival_time=arrival)
             async for out in d.generate(ids, params, rid, prefilled=prefilled):
                 if first_out:
-                    d.engine.metrics.ttft.observe(time.monotonic() - arrival, model=d.model_name)
+                    d.engine.metrics.ttft.observe(time.monotonic() - arrival, **d.engine.metric_labels)
                     first_out = False
                 yield out
         finally:

@@ -10,6 +10,7 @@ it from the server's event loop.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -131,6 +132,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_cached_tokens: int = 0
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)  # of delta_token_ids (when asked), as of this output
 
 
 @dataclass
@@ -186,6 +188,19 @@ class _Detok:
             self.read_offset = len(ids)
 
 
+def model_stop_token_ids(model_dir: Path, *ids: int | None) -> frozenset[int]:
+    """The ids that end a generation: `ids` (config.json's and the tokenizer's EOS) and every id of
+    config.json's and generation_config.json's `eos_token_id` (a chat model lists its end-of-turn
+    token there; vLLM and transformers' generate stop on all of them)."""
+    found = {i for i in ids if i is not None}
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            found.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(int(i) for i in found)
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, tokenizer=None,
                  metrics: ServeMetrics | None = None):
@@ -239,10 +254,12 @@ class LLMEngine:
             draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = model_stop_token_ids(self.model_dir, self.eos_token_id, self.tokenizer.eos_token_id)
         self.metrics = metrics or ServeMetrics()
-        self.metrics.running.set_function(lambda: len(self.scheduler.running), model=self.model_name)
-        self.metrics.waiting.set_function(lambda: len(self.scheduler.waiting), model=self.model_name)
-        self.metrics.kv_usage.set_function(self.kv.usage, model=self.model_name)
+        self.metric_labels = self.metrics.engine_labels(self.model_name)  # vLLM's model_name and engine
+        self.metrics.running.set_function(lambda: len(self.scheduler.running), **self.metric_labels)
+        self.metrics.waiting.set_function(lambda: len(self.scheduler.waiting), **self.metric_labels)
+        self.metrics.kv_usage.set_function(self.kv.usage, **self.metric_labels)
         self._detok: dict[str, _Detok] = {}
         self._ids = itertools.count()
         self._last_prefix = (0, 0)
@@ -294,13 +311,13 @@ class LLMEngine:
     def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> Request:
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        return Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                        generator=make_generator(params, self.model.device))
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.add_request(req)
         self._detok[req.request_id] = _Detok(req.params.stop, self._decode)
-        self.metrics.prompt_tokens.inc(req.num_prompt_tokens, model=self.model_name)
+        self.metrics.prompt_tokens.inc(req.num_prompt_tokens, **self.metric_labels)
 
     def add_prefilled_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
                               prefilled: PrefilledRequest) -> RequestOutput:
@@ -341,7 +358,7 @@ class LLMEngine:
         self.release_held_kv(request_id)
         req = self.scheduler.finish_request(request_id, "abort")
         if req is not None:
-            self.metrics.requests.inc(model=self.model_name, finish_reason="abort")
+            self.metrics.requests.inc(**self.metric_labels, finished_reason="abort")
         return req is not None
 
     def has_unfinished(self) -> bool:
@@ -354,7 +371,7 @@ class LLMEngine:
         interval = stream_interval or self.config.stream_interval
         sched = self.scheduler.schedule()
         if sched.preempted:
-            self.metrics.preemptions.inc(len(sched.preempted), model=self.model_name)
+            self.metrics.preemptions.inc(len(sched.preempted), **self.metric_labels)
         results = self.runner.execute(sched)
         finished_reqs = self.scheduler.update_from_output(sched, results)
         if self._kv_hold:
@@ -363,17 +380,18 @@ class LLMEngine:
         self.num_steps += 1
         outputs = []
         now = time.monotonic()
-        m, name = self.metrics, self.model_name
+        m, labels = self.metrics, self.metric_labels
         emitted = self._emitted
         # metrics gathered over the step and recorded once (one lock and label lookup per step, not per request)
         ttft, queue, itl = [], [], []
-        num_generated = num_proposed = num_accepted = 0
+        num_generated = num_drafts = num_proposed = num_accepted = 0
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id
             if s.spec_token_ids:
                 res = results.get(rid)
                 if res is not None and res.sampled:
+                    num_drafts += 1
                     num_proposed += len(s.spec_token_ids)
                     num_accepted += len(res.sampled) - 1
             done = emitted.get(rid, 0)
@@ -397,16 +415,17 @@ class LLMEngine:
                 emitted.pop(rid, None)
             outputs.append(out)
         if num_proposed:
-            m.spec_proposed.inc(num_proposed, model=name)
-            m.spec_accepted.inc(num_accepted, model=name)
+            m.spec_drafts.inc(num_drafts, **labels)
+            m.spec_proposed.inc(num_proposed, **labels)
+            m.spec_accepted.inc(num_accepted, **labels)
         if num_generated:
-            m.generation_tokens.inc(num_generated, model=name)
-        for hist, values in ((m.ttft, ttft), (m.queue, queue), (m.itl, itl)):
+            m.generation_tokens.inc(num_generated, **labels)
+        for hist, values in ((m.ttft, ttft), (m.queue, queue), (m.itl, itl), (m.itl_legacy, itl)):
             if values:
-                hist.observe_many(values, model=name)
+                hist.observe_many(values, **labels)
         queries, hits = self.kv.stats.queries, self.kv.stats.hits
-        m.prefix_queries.inc(queries - self._last_prefix[0], model=name)
-        m.prefix_hits.inc(hits - self._last_prefix[1], model=name)
+        m.prefix_queries.inc(queries - self._last_prefix[0], **labels)
+        m.prefix_hits.inc(hits - self._last_prefix[1], **labels)
         self._last_prefix = (queries, hits)
         if self.proposer is not None:
             decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -426,9 +445,10 @@ class LLMEngine:
                 d.flush(out_ids)
             if d.stop and len(d.text) > seen:
                 lo = max(0, seen - d.hold)
-                hits = [i for i in (d.text.find(x, lo) for x in d.stop) if i >= 0]
+                hits = [(i, x) for x in d.stop if (i := d.text.find(x, lo)) >= 0]
                 if hits:
-                    d.text = d.text[:min(hits)]
+                    at, found = min(hits)
+                    d.text = d.text[:at + (len(found) if req.params.include_stop_str_in_output else 0)]
                     if not req.is_finished:
                         self.scheduler.finish_request(req.request_id, "stop")
                         req.finish_reason = "stop"
@@ -443,8 +463,13 @@ class LLMEngine:
         if finished:
             self._detok.pop(req.request_id, None)
             now = time.monotonic()
-            self.metrics.e2e.observe(now - req.arrival_time, model=self.model_name)
-            self.metrics.requests.inc(model=self.model_name, finish_reason=req.finish_reason or "stop")
+            self.metrics.e2e.observe(now - req.arrival_time, **self.metric_labels)
+            n_out = req.num_output_tokens
+            if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
+                # vLLM's per-request TPOT: the decode time spread over the tokens after the first
+                self.metrics.tpot.observe((req.last_token_time - req.first_token_time) / (n_out - 1),
+                                          **self.metric_labels)
+            self.metrics.requests.inc(**self.metric_labels, finished_reason=req.finish_reason or "stop")
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -457,6 +482,8 @@ class LLMEngine:
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             num_cached_tokens=req.num_cached_tokens,
+            # a copy: `logprobs` is the request's own list, which grows while this output waits to be streamed
+            delta_logprobs=req.logprobs[len(req.logprobs) - num_new:] if num_new and req.logprobs else [],
         )
 
     # -- in-process API --------------------------------------------------------------------------

@@ -122,7 +122,8 @@ class KVPayload:
         from .engine import PrefilledRequest
 
         r = self.header["request"]
-        lps = [TokenLogprob(int(t), float(lp), {int(k): float(v) for k, v in top}) for t, lp, top in r["logprobs"]]
+        lps = [TokenLogprob(int(t), float(lp), {int(k): float(v) for k, v in top}, None if rank is None else int(rank))
+               for t, lp, top, rank in r["logprobs"]]
         return PrefilledRequest(list(r["output_token_ids"]), lps, self.generator_state)
 
     def to_bytes(self) -> bytes:
@@ -189,7 +190,8 @@ def export_kv(engine: "LLMEngine", request_id: str) -> KVPayload:
             "block_hashes": [h.hex() for h in held.block_hashes],
             "request": {
                 "output_token_ids": list(req.output_token_ids),
-                "logprobs": [[lp.token_id, lp.logprob, [[k, v] for k, v in lp.top.items()]] for lp in req.logprobs],
+                "logprobs": [[lp.token_id, lp.logprob, [[k, v] for k, v in lp.top.items()], lp.rank]
+                             for lp in req.logprobs],
             },
         }
         return KVPayload(header, kv, scale, gen)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, TokenLogprob
+from .sampling import SamplingParams, TokenHistory, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +23,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS and end-of-turn ids (generation_config.json)
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
 
@@ -78,10 +78,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end this request: EOS and end of turn (unless ignore_eos), and its stop_token_ids."""
+        own = frozenset(self.params.stop_token_ids)
+        return own if self.params.ignore_eos else own | self.eos_token_ids
+
+    def history(self) -> TokenHistory:
+        return TokenHistory(self.prompt_token_ids, self.output_token_ids, self.stop_token_ids)
+
     def append_token(self, token_id: int) -> bool:
         """Add one sampled token; True when it ends the request (EOS, a stop token, max_tokens)."""
         self.token_ids.append(token_id)
-        if not self.params.ignore_eos and token_id == self.eos_token_id:
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
             return True
         if token_id in self.params.stop_token_ids:

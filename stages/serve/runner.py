@@ -3,7 +3,9 @@
 All requests of the step, whatever their phase (a prefill chunk, a decode, a decode with k draft
 tokens to verify), go through a single forward; logits are computed only for the rows that need
 them: the last row of a request that reaches its end, the k+1 verification rows of a speculative
-request, and every row of a prompt whose logprobs were asked for.
+request, and every row of a prompt whose logprobs were asked for. Whichever forward ran (the
+general paged one, or the decode-slot step of `_execute_decodes`), tokens come from one sampling
+path, `_sample`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .decode_slots import DecodeSlots, run_decodes, run_with_slots
 from .kv_cache import KVCacheManager
 from .model import KVCacheTensors, PagedLlama, run_paged
 from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
+from .request import Request
 from .scheduler import SchedulerOutput, StepResult
 from .speculative import accept_greedy, rejection_sample
 
@@ -78,7 +81,7 @@ class ModelRunner:
             logits = run_paged(self.model, self.cache, seqs, rows)
 
         results: dict[str, StepResult] = {}
-        plain_rows, plain_reqs = [], []
+        picks: list[Pick] = []
         offset = 0
         for s, prompt_rows, n_sample in plans:
             req = s.request
@@ -93,42 +96,60 @@ class ModelRunner:
                 res.prompt_logprobs = plp
             offset += n_prompt
             if n_sample:
-                sample_logits = logits[offset: offset + n_sample]
-                if s.spec_token_ids:
-                    probs = req.spec_draft_probs
-                    if probs is not None:
-                        probs = probs[: len(s.spec_token_ids)]
-                    res.sampled = rejection_sample(sample_logits, s.spec_token_ids, probs, req.params, req.generator)
-                    if req.params.logprobs is not None:
-                        ids = torch.tensor(res.sampled, device=logits.device)
-                        res.logprobs = token_logprobs(sample_logits[: len(res.sampled)], ids, req.params.logprobs)
-                else:
-                    plain_rows.append(offset)
-                    plain_reqs.append((req, res))
+                picks.append((req, offset, s.spec_token_ids, res))
             offset += n_sample
             results[req.request_id] = res
-        if plain_rows:
-            sel = logits[torch.tensor(plain_rows, device=logits.device)]
-            toks = self.sampler(sel, [r.params for r, _ in plain_reqs], [r.generator for r, _ in plain_reqs])
-            want_lp = [i for i, (r, _) in enumerate(plain_reqs) if r.params.logprobs is not None]
-            if want_lp:
-                top_n = max(plain_reqs[i][0].params.logprobs for i in want_lp)
-                idx = torch.tensor(want_lp, device=logits.device)
-                lps = token_logprobs(sel[idx], torch.tensor([toks[i] for i in want_lp], device=logits.device), top_n)
-                for i, lp in zip(want_lp, lps):
-                    n = plain_reqs[i][0].params.logprobs
-                    lp.top = dict(list(lp.top.items())[:n])
-                    plain_reqs[i][1].logprobs = [lp]
-            for (req, res), t in zip(plain_reqs, toks):
-                res.sampled = [t]
+        self._sample(logits, picks)
         return results
+
+    def _sample(self, logits: torch.Tensor, picks: list["Pick"]) -> None:
+        """The step's one sampling path, whichever forward produced `logits`: each pick is a request,
+        the row its rows start at and the draft tokens those rows verify (rows: 1 + drafts). Requests
+        with no drafts are sampled together by the Sampler (their own params, processors and seeds,
+        one argmax when all are greedy); drafts are verified greedily or by rejection sampling
+        (speculative.py). Fills each pick's StepResult with its tokens and, when asked, their logprobs."""
+        plain = [p for p in picks if not p[2]]
+        if plain:
+            if len(plain) == logits.shape[0] and all(p[1] == i for i, p in enumerate(plain)):
+                rows = logits  # one row per request, in order: the common decode step
+            else:
+                rows = logits[torch.tensor([p[1] for p in plain], device=logits.device)]
+            reqs = [p[0] for p in plain]
+            hist = [r.history() if r.params.changes_argmax else None for r in reqs] \
+                if any(r.params.changes_argmax for r in reqs) else None
+            toks = self.sampler(rows, [r.params for r in reqs], [r.generator for r in reqs], hist)
+            for p, t in zip(plain, toks):
+                p[3].sampled = [t]
+            want_lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+            if want_lp:
+                top_n = max(reqs[i].params.logprobs for i in want_lp)
+                idx = torch.tensor(want_lp, device=logits.device)
+                lps = token_logprobs(rows[idx], torch.tensor([toks[i] for i in want_lp], device=logits.device), top_n)
+                for i, lp in zip(want_lp, lps):
+                    lp.top = dict(list(lp.top.items())[:reqs[i].params.logprobs])
+                    plain[i][3].logprobs = [lp]
+        spec = [p for p in picks if p[2]]
+        if not spec:
+            return
+        greedy = greedy_tokens(logits) if any(p[0].params.greedy for p in spec) else None
+        for req, off, drafts, res in spec:
+            m = len(drafts) + 1
+            if req.params.greedy:
+                res.sampled = accept_greedy(greedy[off: off + m], drafts)  # type: ignore[index]
+            else:
+                probs = req.spec_draft_probs
+                res.sampled = rejection_sample(logits[off: off + m], drafts,
+                                               None if probs is None else probs[: len(drafts)], req.params, req.generator)
+            if req.params.logprobs is not None:
+                ids = torch.tensor(res.sampled, device=logits.device)
+                res.logprobs = token_logprobs(logits[off: off + len(res.sampled)], ids, req.params.logprobs)
 
     def _execute_decodes(self, out: SchedulerOutput) -> dict[str, StepResult] | None:
         """The common steps: every request feeds its last token (and any draft tokens to verify)
         and samples, each in its decode slot, and (compiled models) requests joining the batch
         prefill their whole prompts in the same forward. Done without the general planning (no
         row plans, no per-request index tensors). None when the step is anything else (a chunk of
-        a prompt, a prompt after a prefix-cache hit, logprobs asked for, no free slot), which the
+        a prompt, a prompt after a prefix-cache hit, prompt logprobs asked for, no free slot), which the
         general path then runs."""
         slots, bs = self.slots, self.cache.block_size
         assert slots is not None
@@ -136,7 +157,7 @@ class ModelRunner:
         decodes, prompts = [], []
         for s in out.scheduled:
             req = s.request
-            if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
+            if req.params.prompt_logprobs is not None:
                 return None
             if s.start == req.num_tokens - 1:
                 decodes.append(s)
@@ -172,8 +193,9 @@ class ModelRunner:
             logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows],
                                  prompts=whole)
             reqs = [s.request for _, s in rows] + [s.request for s in prompts]
-            toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])  # all greedy: one argmax
-            return {r.request_id: StepResult(sampled=[t]) for r, t in zip(reqs, toks)}
+            picks = [(r, i, [], StepResult(sampled=[])) for i, r in enumerate(reqs)]
+            self._sample(logits, picks)
+            return {p[0].request_id: p[3] for p in picks}
         # decodes verifying draft tokens: rows [last confirmed token, drafts...] per request
         tokens, blk = [], []
         for _, s in rows:
@@ -183,18 +205,13 @@ class ModelRunner:
             blk.extend(ids[p // bs] for p in range(s.start, s.start + s.num_new_tokens))
         nq = np.fromiter((s.num_new_tokens for _, s in rows), dtype=np.int64, count=n)
         logits = run_decodes(self.model, self.cache, slots, sl, pos, np.asarray(blk, dtype=np.int64), tokens, nq)
-        greedy = greedy_tokens(logits) if any(s.request.params.greedy for _, s in rows) else None
-        results, off = {}, 0
+        picks, off = [], 0
         for _, s in rows:
-            req, m, drafts = s.request, s.num_new_tokens, s.spec_token_ids
-            if req.params.greedy:
-                sampled = accept_greedy(greedy[off: off + m], drafts)  # type: ignore[index]
-            elif drafts:
-                probs = req.spec_draft_probs
-                sampled = rejection_sample(logits[off: off + m], drafts,
-                                           None if probs is None else probs[: len(drafts)], req.params, req.generator)
-            else:
-                sampled = [int(self.sampler(logits[off: off + 1], [req.params], [req.generator])[0])]
-            results[req.request_id] = StepResult(sampled=sampled)
-            off += m
-        return results
+            picks.append((s.request, off, s.spec_token_ids, StepResult(sampled=[])))
+            off += s.num_new_tokens
+        self._sample(logits, picks)
+        return {p[0].request_id: p[3] for p in picks}
+
+
+# (request, its first logits row, the draft tokens its rows verify, the result to fill)
+Pick = tuple[Request, int, list[int], StepResult]

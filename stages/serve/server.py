@@ -1,9 +1,14 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
-/v1/completions (text or token-id prompts, logprobs with echo for lm-eval's local-completions),
-/v1/chat/completions (the tokenizer's chat template), both with SSE streaming; /v1/models,
-/health, /metrics (Prometheus). Bad requests get 400 with a message, an unknown model 404, a full
-queue 429, a missing or wrong API key 401. A client that goes away has its request aborted, which
+vLLM's API as a vLLM client sends it (request bodies in protocol.py): /v1/completions (text or
+token-id prompts, logprobs with echo for lm-eval's local-completions, n and best_of),
+/v1/chat/completions (the tokenizer's chat template over all five roles, content parts, tool calls
+and a tools list; without max_tokens a chat runs to a stop or the context's end, as vLLM's does),
+both with SSE streaming (logprobs in the chunks, n choices by index) and every vLLM sampling field
+and prompt_logprobs; /tokenize, /detokenize, /v1/models, /v1/models/{id}, /version, /health,
+/metrics (Prometheus, vLLM's names). Bad requests get 400 with a message (a chat the template
+cannot render too, never a 500), an unknown model 404, a full queue 429, a missing or wrong API
+key 401. A client that goes away has its request aborted, which
 frees its KV blocks. Opt-in request logging appends prompt/completion pairs as JSON lines that the
 data stage reads as a `files` source (text_field "text").
 """
@@ -11,66 +16,25 @@ data stage reads as a `files` source (text_field "text").
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .async_engine import AsyncEngine, Overloaded
 from .engine import RequestOutput
+from .protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
+                       TokenizeRequest)
 from .router import Router
 from .sampling import SamplingParams, TokenLogprob
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be an empty list")
-        return v
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=0)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -114,6 +78,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
     app = FastAPI(title="eightfold serve")
     app.state.router = router
     metrics = router.primary.engine.metrics
+    eng0 = router.primary.engine  # the tokenizer and context every replica shares
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, exc: RequestValidationError):
@@ -137,20 +102,81 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    def _card(name: str, created: int) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "eightfold", "root": name,
+                "parent": None, "max_model_len": eng0.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         now = int(time.time())
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "eightfold"}
-                                           for n in router.model_names()]}
+        return {"object": "list", "data": [_card(n, now) for n in router.model_names()]}
 
-    def _params(body: _Common, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        return SamplingParams(
-            max_tokens=16 if max_tokens is None else max_tokens,
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-            stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        )
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in router.model_names():
+            return _error(404, f"model {model_id!r} is not served here; available: {router.model_names()}",
+                          "not_found_error", "model")
+        return _card(model_id, int(time.time()))
+
+    def _render_chat(messages: list[ChatMessage], tools: list | None, add_generation_prompt: bool,
+                     continue_final_message: bool, kwargs: dict | None = None) -> str:
+        """The prompt as the tokenizer's chat template renders it; ValueError (a 400) naming what it cannot render."""
+        msgs = [m.for_template() for m in messages]
+        try:
+            return eng0.tokenizer.apply_chat_template(
+                msgs, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError, a missing key...: the messages' fault
+            raise ValueError(f"the chat template cannot render these messages: {e}") from None
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        try:
+            router.resolve_model(body.model)
+            if body.messages is not None:
+                text = _render_chat(body.messages, body.tools, body.add_generation_prompt, body.continue_final_message)
+            else:
+                text = body.prompt or ""
+            ids = eng0.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        except LookupError as e:
+            return _error(404, str(e), "not_found_error", "model")
+        except ValueError as e:
+            return _error(400, str(e))
+        out = {"count": len(ids), "max_model_len": eng0.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = eng0.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        try:
+            router.resolve_model(body.model)
+            ids = eng0.encode(body.tokens)  # checks the ids are in the vocabulary
+        except LookupError as e:
+            return _error(404, str(e), "not_found_error", "model")
+        except ValueError as e:
+            return _error(400, str(e), param="tokens")
+        return {"prompt": eng0.tokenizer.decode(ids)}
+
+    def _max_tokens(requested: int | None, ids: list[int]) -> int:
+        """vLLM's rule for a request that sets no limit: generate until a stop or the context's end."""
+        if requested is not None:
+            return requested
+        room = eng0.max_model_len - len(ids)
+        if room <= 0:
+            raise ValueError(f"the prompt ({len(ids)} tokens) fills the model's context length of "
+                             f"{eng0.max_model_len} tokens")
+        return room
+
+    def _copies(params: SamplingParams, k: int) -> list[SamplingParams]:
+        """n (or best_of) samples of one prompt; a seeded request's i-th sample uses seed + i (vLLM's rule)."""
+        if k == 1:
+            return [params]
+        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i) for i in range(k)]
 
     async def _run(request: Request, engine: AsyncEngine, ids: list[int], params: SamplingParams) -> RequestOutput:
         """Collect a whole generation, aborting it if the client disconnects meanwhile."""
@@ -174,23 +200,46 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             if not task.done():
                 task.cancel()
 
-    def _route(body: _Common, ids_for_affinity: list[int]) -> AsyncEngine:
+    def _route(body: SamplingRequest, ids_for_affinity: list[int]) -> AsyncEngine:
         return router.choose(ids_for_affinity, router.resolve_model(body.model))
 
-    def _token_str(engine: AsyncEngine, tid: int) -> str:
-        return engine.engine.tokenizer.decode([tid])
+    def _token_str(tid: int, as_id: bool = False) -> str:
+        return f"token_id:{tid}" if as_id else eng0.tokenizer.decode([tid])
 
-    def _completion_logprobs(engine: AsyncEngine, lps: list[TokenLogprob | None], ids: list[int]) -> dict:
+    def _completion_logprobs(lps: list[TokenLogprob | None], ids: list[int], as_ids: bool = False) -> dict:
+        """OpenAI's completion logprobs; `as_ids`: tokens as "token_id:N" (vLLM's return_tokens_as_token_ids)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = 0
         for tid, lp in zip(ids, lps):
-            s = _token_str(engine, tid)
-            tokens.append(s)
+            s = _token_str(tid)
+            tokens.append(_token_str(tid, as_ids))
             offsets.append(pos)
             pos += len(s)
             token_lps.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {_token_str(engine, t): v for t, v in lp.top.items()})
+            tops.append(None if lp is None else {_token_str(t, as_ids): v for t, v in lp.top.items()})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(lps: list[TokenLogprob], as_ids: bool = False) -> dict:
+        def entry(tid: int, lp: float) -> dict:
+            s = _token_str(tid)
+            return {"token": _token_str(tid, as_ids), "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(x.token_id, x.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in x.top.items()]} for x in lps]}
+
+    def _prompt_logprobs(plps: list[TokenLogprob | None]) -> list:
+        """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}}, the prompt's own token and the top alternatives (ranked in order)."""
+        out: list = []
+        for lp in plps:
+            if lp is None:
+                out.append(None)
+                continue
+            d = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": _token_str(t)}
+                 for r, (t, v) in enumerate(lp.top.items())}
+            d[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_str(lp.token_id)}
+            out.append(d)
+        return out
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -203,16 +252,21 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             prompts = list(p)  # type: ignore[arg-type]
         if body.stream and len(prompts) != 1:
             return _error(400, "streaming supports a single prompt", param="prompt")
+        n, k = body.n, body.best_of or body.n
+        # best_of ranks the k samples by their cumulative logprob: asked for even if the client did not
+        logprobs = body.logprobs if body.logprobs is not None else (0 if k > n else None)
+        echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        plp = max((x for x in (body.prompt_logprobs, echo_lp) if x is not None), default=None)
         try:
-            eng0 = router.primary.engine
             all_ids = [eng0.encode(x) for x in prompts]
             if any(not ids for ids in all_ids):
                 return _error(400, "prompt must not be empty", param="prompt")
-            params = _params(body, body.max_tokens, body.logprobs,
-                             body.logprobs if body.echo and body.logprobs is not None else None)
-            targets = [_route(body, ids) for ids in all_ids]
-            for eng, ids in zip(targets, all_ids):
-                eng.engine.check_request(ids, params)
+            jobs = []
+            for pi, ids in enumerate(all_ids):
+                base = body.sampling_params(_max_tokens(body.max_tokens, ids), logprobs, plp, eng0.model.shape.vocab_size)
+                eng = _route(body, ids)
+                eng.engine.check_request(ids, base)
+                jobs += [(pi, eng, ids, params) for params in _copies(base, k)]
         except LookupError as e:
             return _error(404, str(e), "not_found_error", "model")
         except ValueError as e:
@@ -220,49 +274,56 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
-            eng, ids = targets[0], all_ids[0]
-            return await _stream(request, eng, ids, params, rid, created, chat=False,
-                                 include_usage=bool((body.stream_options or {}).get("include_usage")),
+            return await _stream(request, [(i, e, ids, sp) for i, (_, e, ids, sp) in enumerate(jobs)], rid, created,
+                                 chat=False, include_usage=body.include_usage, want_logprobs=body.logprobs is not None,
+                                 as_ids=body.return_tokens_as_token_ids,
                                  echo_text=prompts[0] if body.echo and isinstance(prompts[0], str) else None)
         try:
-            outs = await asyncio.gather(*[_run(request, e, ids, params) for e, ids in zip(targets, all_ids)])
+            outs = await asyncio.gather(*[_run(request, e, ids, sp) for _, e, ids, sp in jobs])
         except Overloaded as e:
             return _error(429, str(e), "rate_limit_error")
         except ValueError as e:
             return _error(400, str(e))
-        choices, n_prompt, n_out = [], 0, 0
-        for i, (eng, ids, out) in enumerate(zip(targets, all_ids, outs)):
-            text = out.text
-            lp = None
-            if body.echo:
-                text = eng.engine.tokenizer.decode(ids) + text
-            if body.logprobs is not None:
+        choices, n_out = [], 0
+        for pi, ids in enumerate(all_ids):
+            mine = [(job, out) for job, out in zip(jobs, outs) if job[0] == pi]
+            n_out += sum(len(out.token_ids) for _, out in mine)
+            if k > n:  # best_of: the n samples the model found likeliest
+                mine.sort(key=lambda jo: -sum(lp.logprob for lp in jo[1].logprobs))
+            for j, ((_, eng, _, _), out) in enumerate(mine[:n]):
+                text, lp = out.text, None
                 if body.echo:
-                    lps = list(out.prompt_logprobs) + list(out.logprobs)
-                    lp = _completion_logprobs(eng, lps, ids + out.token_ids)
-                else:
-                    lp = _completion_logprobs(eng, list(out.logprobs), out.token_ids)
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
-            n_prompt += len(ids)
-            n_out += len(out.token_ids)
-            if request_log is not None:
-                request_log.write(prompt=eng.engine.tokenizer.decode(ids), completion=out.text, model=eng.model_name,
-                                  endpoint="completions", finish_reason=out.finish_reason, created=created)
-        return {"id": rid, "object": "text_completion", "created": created, "model": targets[0].model_name,
+                    text = eng.engine.tokenizer.decode(ids) + text
+                if body.logprobs is not None:
+                    if body.echo:
+                        lp = _completion_logprobs(list(out.prompt_logprobs) + list(out.logprobs), ids + out.token_ids,
+                                                  body.return_tokens_as_token_ids)
+                    else:
+                        lp = _completion_logprobs(list(out.logprobs), out.token_ids, body.return_tokens_as_token_ids)
+                choice = {"index": pi * n + j, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
+                if request_log is not None:
+                    request_log.write(prompt=eng.engine.tokenizer.decode(ids), completion=out.text, model=eng.model_name,
+                                      endpoint="completions", finish_reason=out.finish_reason, created=created)
+        n_prompt = sum(len(ids) for ids in all_ids)
+        return {"id": rid, "object": "text_completion", "created": created, "model": jobs[0][1].model_name,
                 "choices": choices,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         try:
-            eng0 = router.primary.engine
-            text = eng0.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                       add_generation_prompt=True)
+            text = _render_chat(body.messages, body.tools, body.add_generation_prompt, body.continue_final_message,
+                                body.chat_template_kwargs)
             ids = eng0.encode(text)
             top = (body.top_logprobs or 0) if body.logprobs else None
-            params = _params(body, body.max_completion_tokens or body.max_tokens, top, None)
             eng = _route(body, ids)
-            eng.engine.check_request(ids, params)
+            limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            base = body.sampling_params(_max_tokens(limit, ids), top, body.prompt_logprobs, eng0.model.shape.vocab_size)
+            eng.engine.check_request(ids, base)
+            jobs = [(i, eng, ids, params) for i, params in enumerate(_copies(base, body.n))]
         except LookupError as e:
             return _error(404, str(e), "not_found_error", "model")
         except ValueError as e:
@@ -270,87 +331,154 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
-            return await _stream(request, eng, ids, params, rid, created, chat=True,
-                                 include_usage=bool((body.stream_options or {}).get("include_usage")), prompt_text=text)
+            return await _stream(request, jobs, rid, created, chat=True, include_usage=body.include_usage,
+                                 want_logprobs=body.logprobs, prompt_text=text, as_ids=body.return_tokens_as_token_ids)
         try:
-            out = await _run(request, eng, ids, params)
+            outs = await asyncio.gather(*[_run(request, e, i, sp) for _, e, i, sp in jobs])
         except Overloaded as e:
             return _error(429, str(e), "rate_limit_error")
         except ValueError as e:
             return _error(400, str(e))
-        lp = None
-        if body.logprobs:
-            lp = {"content": [{"token": _token_str(eng, x.token_id), "logprob": x.logprob,
-                               "top_logprobs": [{"token": _token_str(eng, t), "logprob": v} for t, v in x.top.items()]}
-                              for x in out.logprobs]}
-        if request_log is not None:
-            request_log.write(prompt=text, completion=out.text, model=eng.model_name, endpoint="chat",
-                              messages=[m.model_dump() for m in body.messages], finish_reason=out.finish_reason,
-                              created=created)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": eng.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": lp, "finish_reason": out.finish_reason}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
-                          "total_tokens": len(ids) + len(out.token_ids)}}
+        choices = []
+        for i, out in enumerate(outs):
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": _chat_logprobs(out.logprobs, body.return_tokens_as_token_ids) if body.logprobs
+                            else None,
+                            "finish_reason": out.finish_reason})
+            if request_log is not None:
+                request_log.write(prompt=text, completion=out.text, model=eng.model_name, endpoint="chat",
+                                  messages=[m.model_dump() for m in body.messages], finish_reason=out.finish_reason,
+                                  created=created)
+        n_out = sum(len(out.token_ids) for out in outs)
+        resp = {"id": rid, "object": "chat.completion", "created": created, "model": eng.model_name,
+                "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}}
+        if body.prompt_logprobs is not None:
+            resp["prompt_logprobs"] = _prompt_logprobs(outs[0].prompt_logprobs)
+        return resp
 
-    async def _stream(request, eng: AsyncEngine, ids, params, rid, created, chat: bool, include_usage: bool,
-                      echo_text: str | None = None, prompt_text: str | None = None):
-        gen = eng.generate(ids, params)
+    async def _stream(request, jobs, rid, created, chat: bool, include_usage: bool, want_logprobs: bool,
+                      echo_text: str | None = None, prompt_text: str | None = None, as_ids: bool = False):
+        """SSE chunks of every choice of a request (`jobs`: index, engine, prompt ids, params), each
+        with its index, its text delta and, when asked, the logprobs of the delta's tokens."""
+        streams = []
         try:
-            first = await gen.__anext__()  # surfaces 429 / errors before the 200 is sent
+            for index, eng, ids, params in jobs:
+                gen = eng.generate(ids, params)
+                streams.append((index, gen))
+                try:
+                    first = await gen.__anext__()  # surfaces 429 / errors before the 200 is sent
+                except StopAsyncIteration:
+                    first = None
+                streams[-1] = (index, gen, first)
         except Overloaded as e:
-            await gen.aclose()
+            for st in streams:
+                await st[1].aclose()
             return _error(429, str(e), "rate_limit_error")
-        except StopAsyncIteration:
-            first = None
         obj = "chat.completion.chunk" if chat else "text_completion"
+        eng, ids = jobs[0][1], jobs[0][2]
+        # the envelope is the same for every chunk of a choice: render it once, fill in the delta
+        heads = {index: 'data: {"id": %s, "object": %s, "created": %d, "model": %s, "choices": [{"index": %d, ' % (
+            json.dumps(rid), json.dumps(obj), created, json.dumps(eng.model_name), index) for index, *_ in jobs}
 
-        # the envelope is the same for every chunk of a stream: render it once, fill in the delta
-        head = 'data: {"id": %s, "object": %s, "created": %d, "model": %s, "choices": [{"index": 0, ' % (
-            json.dumps(rid), json.dumps(obj), created, json.dumps(eng.model_name))
-
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(index: int, delta_text: str | None, finish: str | None, role: bool = False,
+                  out: RequestOutput | None = None) -> str:
             fin = json.dumps(finish)
+            lp = "null"
+            if want_logprobs and out is not None and out.delta_token_ids:
+                new = out.delta_logprobs
+                lp = json.dumps(_chat_logprobs(new, as_ids) if chat else _completion_logprobs(new, out.delta_token_ids, as_ids))
             if chat:
                 delta: dict = {"role": "assistant"} if role else {}
                 if delta_text is not None:
                     delta["content"] = delta_text
-                body = f'"delta": {json.dumps(delta)}, "logprobs": null, "finish_reason": {fin}'
+                body = f'"delta": {json.dumps(delta)}, "logprobs": {lp}, "finish_reason": {fin}'
             else:
-                body = f'"text": {json.dumps(delta_text or "")}, "logprobs": null, "finish_reason": {fin}'
-            return head + body + "}]}\n\n"
+                body = f'"text": {json.dumps(delta_text or "")}, "logprobs": {lp}, "finish_reason": {fin}'
+            return heads[index] + body + "}]}\n\n"
+
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
+            """(choice index, output) as each choice's outputs arrive; one choice is read directly."""
+            if len(streams) == 1:
+                index, gen, out = streams[0]
+                while out is not None:
+                    yield index, out
+                    if out.finished:
+                        return
+                    try:
+                        out = await gen.__anext__()
+                    except StopAsyncIteration:
+                        return
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index, gen, out):
+                try:
+                    while out is not None:
+                        await queue.put((index, out))
+                        if out.finished:
+                            break
+                        out = await gen.__anext__()
+                except StopAsyncIteration:
+                    pass
+                except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+                    await queue.put((index, e))
+                await queue.put((index, None))
+
+            tasks = [asyncio.ensure_future(pump(*st)) for st in streams]
+            try:
+                left = len(tasks)
+                while left:
+                    index, out = await queue.get()
+                    if out is None:
+                        left -= 1
+                    elif isinstance(out, BaseException):
+                        raise out
+                    else:
+                        yield index, out
+            finally:
+                for t in tasks:
+                    t.cancel()
 
         async def events() -> AsyncIterator[str]:
-            last = first
+            last: dict[int, RequestOutput] = {}
             try:
-                if chat:
-                    yield chunk("", None, role=True)
-                elif echo_text:
-                    yield chunk(echo_text, None)
-                out = first
-                while out is not None:
-                    last = out
-                    if out.delta_text or out.finished:
-                        yield chunk(out.delta_text, out.finish_reason if out.finished else None)
-                    if out.finished:
-                        break
-                    out = await gen.__anext__()
-                if include_usage and last is not None:
-                    n = len(last.token_ids)
+                for index, *_ in jobs:
+                    if chat:
+                        yield chunk(index, "", None, role=True)
+                    elif echo_text:
+                        yield chunk(index, echo_text, None)
+                async for index, out in outputs():
+                    last[index] = out
+                    if out.delta_text or out.finished or (want_logprobs and out.delta_token_ids):
+                        yield chunk(index, out.delta_text, out.finish_reason if out.finished else None, out=out)
+                if include_usage and last:
+                    n = sum(len(o.token_ids) for o in last.values())
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": eng.model_name,
                                                  "choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
                                                                           "total_tokens": len(ids) + n}}) + "\n\n"
                 yield "data: [DONE]\n\n"
-                if request_log is not None and last is not None:
-                    request_log.write(prompt=prompt_text or eng.engine.tokenizer.decode(ids), completion=last.text,
-                                      model=eng.model_name, endpoint="chat" if chat else "completions",
-                                      finish_reason=last.finish_reason, created=created)
+                if request_log is not None:
+                    for o in last.values():
+                        request_log.write(prompt=prompt_text or eng.engine.tokenizer.decode(ids), completion=o.text,
+                                          model=eng.model_name, endpoint="chat" if chat else "completions",
+                                          finish_reason=o.finish_reason, created=created)
             finally:
-                await gen.aclose()  # a disconnect lands here: aborts the request, frees its blocks
+                for _, gen, _ in streams:
+                    await gen.aclose()  # a disconnect lands here: aborts the request, frees its blocks
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eightfold")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | None = None,

@@ -63,7 +63,11 @@ def rejection_sample(
 
 
 def _budget(req: Request, k: int, max_model_len: int) -> int:
-    """Draft tokens worth proposing: never past max_tokens or the context length."""
+    """Draft tokens worth proposing: never past max_tokens or the context length, and none for a
+    request whose sampling reads its token history or a bias (penalties, min_tokens, logit_bias):
+    verification would need those processors applied per draft position."""
+    if req.params.changes_argmax:
+        return 0
     left = req.params.max_tokens - req.num_output_tokens - 1
     return max(0, min(k, left, max_model_len - req.num_tokens - 1))
 

@@ -35,6 +35,11 @@ def test_gguf_reads_back(tmp_path, variant, linear_type, trained_tiny, export_to
     assert meta["tokenizer.ggml.model"] == "gpt2"
     assert len(meta["tokenizer.ggml.tokens"]) == cfg.vocab_size
     assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eos_token_id"]] == "<|eos|>"
+    # llama.cpp ends a chat turn on the end-of-turn id and renders turns with the same template
+    from stages.tokenizer import CHAT_TEMPLATE
+
+    assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eot_token_id"]] == "<|end|>"
+    assert meta["tokenizer.chat_template"] == CHAT_TEMPLATE
     assert len(meta["tokenizer.ggml.merges"]) > 0
     tensors = {t.name: t for t in reader.tensors}
     assert len(tensors) == 2 + 9 * cfg.n_layers + 1

@@ -46,7 +46,18 @@ def test_dense_export_matches_transformers_and_tokenizer_loads(tmp_path, trained
     raw = Tokenizer.from_file(str(export_tokenizer_dir / "tokenizer.json"))
     text = "def main():\n    return 42\n"
     assert tok.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
-    assert tok.eos_token_id == conf["eos_token_id"] == model.generation_config.eos_token_id
+    # the chat template's end of turn is a stop token everywhere the model travels: the shipped
+    # tokenizer's EOS (a chat turn ends there) and, beside the document EOS, in generation_config.json
+    from transformers import GenerationConfig
+
+    end = raw.token_to_id("<|end|>")
+    assert tok.eos_token_id == end and tok.eos_token == "<|end|>"
+    assert conf["eos_token_id"] == raw.token_to_id("<|eos|>")
+    assert GenerationConfig.from_pretrained(str(tmp_path)).eos_token_id == [conf["eos_token_id"], end]
+    assert model.generation_config.eos_token_id == [conf["eos_token_id"], end]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    rendered = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert rendered.count(end) == 2 and rendered[-2] == end  # each turn closed by the stop token ("\n" after)
 
 
 @pytest.mark.parametrize("kind,kw", [

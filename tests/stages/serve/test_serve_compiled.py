@@ -30,7 +30,7 @@ def test_compiled_engine_generates_what_the_eager_one_does(tiny_hf_model_dir):
         got = [o.token_ids for o in compiled.generate(prompts, params)]
         assert compiled.model.pieces is pieces, "the compiled step failed and fell back to eager"
         assert pieces.num_calls > warm_calls + 5, "no all-decode step ran compiled"
-        assert compiled.metrics.spec_accepted.value(model=compiled.model_name) > 0
+        assert compiled.metrics.spec_accepted.value(model_name=compiled.model_name) > 0
         assert got == want
         # one request alone (a batch of one: its own compiled variant), after the prefix cache is dropped
         compiled.reset_prefix_cache()

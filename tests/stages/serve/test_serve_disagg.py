@@ -106,11 +106,11 @@ def test_disaggregated_outputs_match_one_engine_and_decode_computes_only_the_tai
     assert pre.kv.stats.hits == 0  # distinct prompts: the prefill engine computed them all
     name = dec.model_name
     per_token = dec.kv_bytes_per_token  # the payload is the shipped blocks' K/V (and FP8 scales) plus a small header
-    assert full * BS * per_token < metrics.kv_transfer_bytes.value(model=name) == front.stats.num_bytes
+    assert full * BS * per_token < metrics.kv_transfer_bytes.value(model_name=name) == front.stats.num_bytes
     assert front.stats.num_bytes < full * BS * per_token + len(prompts) * 8192
-    assert metrics.kv_transfer_time.count(model=name) == len(prompts)
-    assert metrics.requests.value(model=name, finish_reason="length") == len(prompts)
-    assert metrics.ttft.count(model=name) == metrics.e2e.count(model=name) == len(prompts)
+    assert metrics.kv_transfer_time.count(model_name=name) == len(prompts)
+    assert metrics.requests.value(model_name=name, finished_reason="length") == len(prompts)
+    assert metrics.ttft.count(model_name=name) == metrics.e2e.count(model_name=name) == len(prompts)
     _no_leaks(pre, dec)
 
 
@@ -214,7 +214,7 @@ def test_aborted_and_finished_requests_leak_no_blocks(tiny_hf_model_dir):
     assert [wo.finish_reason for wo in want] == ["stop"] * 3
     assert [len(wo.token_ids) for wo in want[:2]] == [1, 1] and len(want[2].token_ids) > 2
     assert front.stats.num_transfers == 5 + 2  # not the one-token request, nor the one ended by the prefill
-    assert metrics.requests.value(model=dec.model_name, finish_reason="abort") == 2  # left on the decode engine
+    assert metrics.requests.value(model_name=dec.model_name, finished_reason="abort") == 2  # left on the decode engine
     # a request aborted before its prefill finishes: nothing is held for it
     rid = pre.add_request(prompts[-1], SamplingParams(max_tokens=1), hold_kv=True)
     assert pre.abort_request(rid)
@@ -250,6 +250,11 @@ def test_router_serves_through_the_disaggregated_replica(tiny_hf_model_dir):
         text = httpx.get(srv.url + "/metrics").text
     router.shutdown()
     assert front.stats.num_transfers == 2
-    assert f'eightfold_kv_transfer_bytes_total{{model="{front.model_name}"}} {float(front.stats.num_bytes)}' in text
-    assert f'eightfold_kv_transfer_seconds_count{{model="{front.model_name}"}} 2' in text
+
+    def total(sample: str) -> float:  # summed over the decode engines (the `engine` label)
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(sample + "{") and f'model_name="{front.model_name}"' in line)
+
+    assert total("eightfold:kv_transfer_bytes_total") == float(front.stats.num_bytes)
+    assert total("eightfold:kv_transfer_seconds_count") == 2
     _no_leaks(*(e.engine for e in front.engines))

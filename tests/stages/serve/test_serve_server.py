@@ -93,7 +93,7 @@ def eng_score(router, ctx, cont):
 @pytest.mark.parametrize("body, needle", [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "max_tokens": 10**7}, "context length"),
@@ -122,13 +122,14 @@ def test_metrics_and_health(served, client):
     client.completions.create(model=router.primary.model_name, prompt="import os", max_tokens=4, temperature=0)
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     text = httpx.get(srv.url + "/metrics").text
-    for name in ("eightfold_time_to_first_token_seconds_count", "eightfold_inter_token_latency_seconds_bucket",
-                 "eightfold_e2e_request_latency_seconds_sum", "eightfold_request_queue_time_seconds_count",
-                 "eightfold_num_requests_running", "eightfold_num_requests_waiting", "eightfold_kv_cache_usage_perc",
-                 "eightfold_prefix_cache_hits_total", "eightfold_spec_decode_num_accepted_tokens_total"):
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_sum", "vllm:request_queue_time_seconds_count",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hits_total", "vllm:request_time_per_output_token_seconds_count"):
         assert name in text, name
-    ttft = [line for line in text.splitlines() if line.startswith("eightfold_time_to_first_token_seconds_count")]
+    ttft = [line for line in text.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count")]
     assert ttft and float(ttft[0].split()[-1]) > 0
+    assert f'model_name="{router.primary.model_name}"' in ttft[0] and 'engine="0"' in ttft[0]
 
 
 def test_api_key(tiny_hf_model_dir, served):
@@ -161,7 +162,7 @@ def test_overload_gets_429(tiny_hf_model_dir):
 def test_200_concurrent_requests_with_random_disconnects_leave_no_block_allocated(served):
     srv, router, _ = served
     eng = router.primary.engine
-    aborted_before = eng.metrics.requests.value(model=eng.model_name, finish_reason="abort")
+    aborted_before = eng.metrics.requests.value(model_name=eng.model_name, finished_reason="abort")
     rng = random.Random(0)
 
     async def one(client: httpx.AsyncClient, i: int) -> str:
@@ -196,4 +197,4 @@ def test_200_concurrent_requests_with_random_disconnects_leave_no_block_allocate
     assert eng.kv.num_allocated_blocks == 0
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks
     assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.scheduler.requests
-    assert eng.metrics.requests.value(model=eng.model_name, finish_reason="abort") > aborted_before
+    assert eng.metrics.requests.value(model_name=eng.model_name, finished_reason="abort") > aborted_before

@@ -33,8 +33,8 @@ def test_speculative_greedy_equals_plain(kind, plain, tiny_hf_model_dir, tiny_hf
                                                      draft_model_dir=str(tiny_hf_draft_dir)))
     got = [o.token_ids for o in spec.generate(CODE, params)]
     assert got == want
-    proposed = spec.metrics.spec_proposed.value(model=spec.model_name)
-    accepted = spec.metrics.spec_accepted.value(model=spec.model_name)
+    proposed = spec.metrics.spec_proposed.value(model_name=spec.model_name)
+    accepted = spec.metrics.spec_accepted.value(model_name=spec.model_name)
     assert proposed > 0 and 0 < accepted <= proposed
     # Fewer target forwards than tokens, as a mechanism: one request alone takes one forward per token it
     # did not get from an accepted draft (a batch takes its slowest request's count, so "fewer steps than
@@ -44,7 +44,7 @@ def test_speculative_greedy_equals_plain(kind, plain, tiny_hf_model_dir, tiny_hf
     alone = LLMEngine(tiny_hf_model_dir, EngineConfig(num_kv_blocks=128, speculative=kind, num_speculative_tokens=4,
                                                       draft_model_dir=str(tiny_hf_draft_dir)))
     assert alone.generate(CODE[:1], params)[0].token_ids == want[0]
-    accepted_alone = alone.metrics.spec_accepted.value(model=alone.model_name)
+    accepted_alone = alone.metrics.spec_accepted.value(model_name=alone.model_name)
     assert alone.num_steps == params.max_tokens - accepted_alone
     assert spec.kv.num_allocated_blocks == 0
 
@@ -60,7 +60,7 @@ def test_speculative_in_decode_slots_with_preemption_equals_plain(plain, tiny_hf
     assert tight.runner.slots is not None
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert tight.scheduler.num_preemptions > 0
-    assert tight.metrics.spec_accepted.value(model=tight.model_name) > 0
+    assert tight.metrics.spec_accepted.value(model_name=tight.model_name) > 0
     assert got == want
     assert tight.kv.num_allocated_blocks == 0
 
@@ -70,7 +70,7 @@ def test_speculative_sampling_runs_and_respects_max_tokens(tiny_hf_model_dir, ti
                                                      draft_model_dir=str(tiny_hf_draft_dir)))
     outs = spec.generate(CODE, SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True))
     assert all(len(o.token_ids) == 30 for o in outs)
-    assert spec.metrics.spec_accepted.value(model=spec.model_name) > 0
+    assert spec.metrics.spec_accepted.value(model_name=spec.model_name) > 0
 
 
 def test_ngram_proposer_finds_latest_match():
