@@ -87,9 +87,11 @@ LAYOUTS: dict[str, dict] = {
     # Expert parallel reuses the data-parallel ranks; its model is an MoE (MOE_LAYOUTS).
     "ep2": {"dp": 2, "ep": 2},
 }
-# Layouts run on the MoE variant of the model: every layer 4 experts, top-2, no dropping.
+# Layouts run on the MoE variant of the model: every layer 4 experts, top-2, capacity 1.25 (overflow dropped),
+# each expert padded to its capacity, so the all-to-all's bytes are fixed by the config rather than by how
+# the untrained router happens to split the tokens (model.moe.pad_to_capacity).
 MOE_LAYOUTS = {"ep2"}
-MOE = {"num_experts": 4, "top_k": 2}
+MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 1.25, "pad_to_capacity": True}
 
 
 def world_of(name: str) -> int:
