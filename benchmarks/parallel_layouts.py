@@ -22,7 +22,9 @@ parallel, dp_shard + dp_replicate under HSDP). On one 2-core machine several ran
 so the times show communication and framework overhead, not the scaling a GPU cluster would give;
 the bytes are exact.
 
-    python -m benchmarks.parallel_layouts [--precision bf16 --dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
+    python -m benchmarks.parallel_layouts [--precision bf16,fp32 --dim 64 --layers 2 --seq 64 --steps 4 --only tp2,zero1_dp2]
+
+`--precision bf16,fp32` measures every layout in both, in the same launches (rows by precision, then layout).
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ LAYOUTS: dict[str, dict] = {
     # Expert parallel reuses the data-parallel ranks; its model is an MoE (MOE_LAYOUTS).
     "ep2": {"dp": 2, "ep": 2},
 }
-# Layouts run on the MoE variant of the model: every layer 4 experts, top-2, no dropping.
+# Layouts run on the MoE variant of the model: every layer 4 experts, top-2, capacity 1.25 (overflow dropped),
+# each expert padded to its capacity, so the all-to-all's bytes are fixed by the config rather than by how
+# the untrained router happens to split the tokens (model.moe.pad_to_capacity).
 MOE_LAYOUTS = {"ep2"}
-MOE = {"num_experts": 4, "top_k": 2}
+MOE = {"num_experts": 4, "top_k": 2, "capacity_factor": 1.25, "pad_to_capacity": True}
 
 
 def world_of(name: str) -> int:
@@ -204,15 +208,28 @@ def measure(name: str, a: argparse.Namespace) -> dict:
             "optimizer_state_bytes_rank0": optimizer_state_bytes(opt)}
 
 
+def each_precision(a: argparse.Namespace) -> list[argparse.Namespace]:
+    """The arguments once per precision of `--precision` (one, or a comma-separated list)."""
+    return [argparse.Namespace(**{**vars(a), "precision": p}) for p in a.precision.split(",")]
+
+
 def worker(out: str, names: list[str], a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
-        rows = [measure(n, a) for n in names]
+        rows = [measure(n, ap) for ap in each_precision(a) for n in names]
         if dist.get_rank() == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
+
+
+def precisions(text: str) -> str:
+    names = [p for p in text.split(",") if p]
+    bad = [p for p in names if p not in ("bf16", "fp32")]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--precision {text!r}: bf16, fp32 or bf16,fp32")
+    return ",".join(names)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -223,14 +240,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps after a warm-up and a counted step")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--precision", type=precisions, default="bf16",
+                   help="bf16, fp32, or both comma-separated (one launch per world size measures both)")
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     return p
 
 
 def run_layouts(names: list[str], a: argparse.Namespace) -> list[dict]:
-    """Measure the multi-process layouts `names`: one torchrun launch per world size; rows in launch order."""
+    """Measure the multi-process layouts `names` in every precision of `a.precision`: one torchrun launch per
+    world size (its ranks import torch once for all of them); rows in launch order, by precision then layout."""
     by_world: dict[int, list[str]] = {}
     for n in names:
         by_world.setdefault(world_of(n), []).append(n)
@@ -260,16 +279,18 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     torch.set_num_threads(1)
-    base = measure("one", a)  # the baseline, in this process, in the same run
-    rows = ([base] if "one" in names else []) + run_layouts([n for n in names if n != "one"], a)
-    ddp_bytes = {r["world"]: sum(r["wire_bytes_per_step"].values()) for r in rows
+    base = {ap.precision: measure("one", ap) for ap in each_precision(a)}  # baselines, in this process, same run
+    rows = ([*base.values()] if "one" in names else []) + run_layouts([n for n in names if n != "one"], a)
+    ddp_bytes = {(r["precision"], r["world"]): sum(r["wire_bytes_per_step"].values()) for r in rows
                  if r["layout"] == f"ddp{r['world']}"}
     for r in rows:
-        if r["tokens_per_s"] and base["tokens_per_s"]:
-            r["speedup_vs_one"] = r["tokens_per_s"] / base["tokens_per_s"]
+        one = base[r["precision"]]
+        if r["tokens_per_s"] and one["tokens_per_s"]:
+            r["speedup_vs_one"] = r["tokens_per_s"] / one["tokens_per_s"]
         total = sum(r["wire_bytes_per_step"].values())
-        if r["world"] in ddp_bytes and ddp_bytes[r["world"]]:
-            r["bytes_vs_ddp"] = total / ddp_bytes[r["world"]]
+        ddp = ddp_bytes.get((r["precision"], r["world"]))
+        if ddp:
+            r["bytes_vs_ddp"] = total / ddp
         print(json.dumps(r), flush=True)
 
 

@@ -19,6 +19,11 @@ class MoEConfig(Section):
     capacity_factor: float | None = Field(
         None, gt=0, description="slots per expert = factor * tokens * top_k / E; overflow is dropped; None = no dropping"
     )
+    pad_to_capacity: bool = Field(
+        False, description="expert parallel: every expert's capacity of slots is sent, zeros where fewer tokens "
+        "were routed to it, so the dispatch/combine all-to-all has a fixed size whatever the routing, and no counts "
+        "are exchanged first (Megatron's --moe-pad-expert-input-to-capacity, GShard); needs capacity_factor"
+    )
     balance: Literal["aux_loss", "bias", "none"] = Field(
         "aux_loss", description="aux_loss (Switch/GShard) or bias (DeepSeek-V3 aux-loss-free balancing)"
     )
@@ -30,6 +35,14 @@ class MoEConfig(Section):
     def _top_k_fits(self) -> "MoEConfig":
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        return self
+
+    @model_validator(mode="after")
+    def _padding_has_a_capacity(self) -> "MoEConfig":
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("model.moe.pad_to_capacity=true with capacity_factor=None: padding fills each expert "
+                             "to its capacity, which capacity_factor sets; set capacity_factor (e.g. 1.25) or "
+                             "pad_to_capacity=false")
         return self
 
 

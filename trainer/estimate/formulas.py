@@ -243,6 +243,12 @@ def tensor_parallel_bytes(act_tensor: float, t: int, *, dense_layers: int, moe_l
     return micro_batches * per_micro + gains
 
 
+def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Slots per expert for `tokens` routed tokens: ceil(factor * tokens * top_k / E), at least one (Switch
+    Transformer; trainer.model.moe.MoE.capacity)."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
 def kv_bytes_per_token(n_layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2) -> float:
     """KV cache per token: 2 (K and V) x layers x KV heads x head size x bytes (seed: 80 KB; 20 KB with GQA 8)."""
     return 2 * n_layers * kv_heads * head_dim * bytes_per_value

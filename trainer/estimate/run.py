@@ -196,10 +196,13 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             cp_bytes = 0.0
         ep_bytes = 0.0
         if ep > 1 and model.moe is not None:
-            # Dispatch and combine forward, and both again backward: each token's top_k copies of h, of which
-            # (ep-1)/ep leave the rank under balanced routing (a real router's share moves with its imbalance).
-            routed_tokens = mbs * s_local * model.moe.top_k * model.dim * act_bytes
-            ep_bytes = 4 * routed_tokens * (ep - 1) / ep * moe_layers * micro_batches
+            # Dispatch and combine forward, and both again backward, (ep-1)/ep of the rows leaving the rank:
+            # padded to capacity, every expert's `capacity` rows (exact, whatever the routing); otherwise each
+            # token's top_k copies of h under balanced routing (a real router's share moves with its imbalance).
+            moe, tokens_local = model.moe, mbs * s_local
+            rows = (moe.num_experts * f.expert_capacity(moe.capacity_factor, tokens_local, moe.top_k, moe.num_experts)
+                    if moe.pad_to_capacity else tokens_local * moe.top_k)
+            ep_bytes = 4 * rows * model.dim * act_bytes * (ep - 1) / ep * moe_layers * micro_batches
         # HSDP's share of dp_bytes: the gradient shard all-reduced across replicas (its own group and link).
         hsdp = (reductions * f.hsdp_allreduce_bytes(st["dense_params"], wire_grad, dense_shard, par.dp_replicate)
                 if par.zero >= 2 else 0.0)

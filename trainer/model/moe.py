@@ -44,6 +44,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.capacity_factor = cfg.capacity_factor
+        self.pad_to_capacity = cfg.pad_to_capacity  # read by expert parallel's dispatch only
         self.balance = cfg.balance
         self.aux_loss_coef = cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate

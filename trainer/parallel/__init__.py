@@ -26,7 +26,7 @@ from .layouts import check_supported
 from .materialize import materialize, on_meta
 from .mesh import ParallelDims, build_parallel_dims
 from .pipeline import apply_pipeline
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, keep_grads_in_param_layout
 
 __all__ = ["ParallelDims", "build_parallel_dims", "parallelize"]
 
@@ -68,6 +68,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
         materialize(model, device, seed, roots=model.pipeline.parts if parallel.pp > 1 else None)
     if experts:
         register_expert_grad_sync(model)
+    if parallel.tp > 1:  # gradient hooks go on the materialised parameters (tensor_parallel.py)
+        keep_grads_in_param_layout(model)
     if not fsdp and parallel.pp == 1 and data_group is not None and parallel.zero == 0:
         model = apply_ddp(model, dims, bucket_mb=parallel.bucket_mb, group=data_group, ignore=experts)
     return model

@@ -6,7 +6,9 @@ A rank routes its own tokens exactly as the single-process MoE does (same priori
 capacity and dropping, decided where the tokens live), sends each kept assignment to the rank owning
 its expert with one all-to-all of variable splits, runs its local experts, and receives the outputs
 back with a second all-to-all; the router weights are applied there, at the combine. Both all-to-alls
-are differentiable (the backward is the reverse exchange).
+are differentiable (the backward is the reverse exchange). Their size follows the routing, unless
+`moe.pad_to_capacity` pads every expert to its capacity (GShard, Megatron): then it is fixed, E x
+capacity rows per rank, which is what `eightfold estimate` counts exactly.
 
 Gradients: the router, attention and every dense weight are replicated over dp x cp and synced by
 data parallel as usual; an expert's weights live on one rank of each ep group, so they are left out
@@ -39,7 +41,6 @@ def expert_parallel_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])  # [T, D]
     T, E, k = x.shape[0], self.num_experts, self.top_k
-    group, ep, per_rank = self.ep_group, self.ep_size, self.num_experts // self.ep_size
     probs, experts, weights = self.route(x)
     # Routing, priority order and capacity exactly as in MoE.forward (GShard: first choices first).
     expert_of = experts.t().reshape(-1)  # [k*T]
@@ -49,10 +50,24 @@ def expert_parallel_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     slot = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
     cap = self.capacity(T)
     keep = slot < cap if cap is not None else torch.ones_like(slot, dtype=torch.bool)
+    if self.pad_to_capacity:  # a fixed-size exchange (config validation made sure there is a capacity)
+        out = _padded_dispatch_combine(self, x, expert_of[keep], slot[keep], token_of[keep], weight_of[keep], cap)
+    else:
+        out = _dispatch_combine(self, x, expert_of[keep], token_of[keep], weight_of[keep])
+    if self.shared_expert is not None:
+        out = out + self.shared_expert(x)
 
-    order = torch.argsort(expert_of[keep], stable=True)  # grouped by expert, so by owner rank
-    send_expert = expert_of[keep][order]
-    send_token, send_weight = token_of[keep][order], weight_of[keep][order]
+    self.record_routing(one_hot, keep, probs)
+    return out.view(shape)
+
+
+def _dispatch_combine(self: MoE, x: torch.Tensor, expert_of, token_of, weight_of) -> torch.Tensor:
+    """The kept assignments (expert, token, router weight) sent as they fall: the splits follow the
+    routing, so the ranks first exchange how many each receives. Returns the combined fp32 output [T, D]."""
+    E, group, ep, per_rank = self.num_experts, self.ep_group, self.ep_size, self.num_experts // self.ep_size
+    order = torch.argsort(expert_of, stable=True)  # grouped by expert, so by owner rank
+    send_expert = expert_of[order]
+    send_token, send_weight = token_of[order], weight_of[order]
     counts = torch.bincount(send_expert, minlength=E)  # [E] assignments this rank sends
     # Dispatch: first how many each rank receives per local expert, then the tokens themselves.
     recv_counts = torch.empty_like(counts)
@@ -78,11 +93,28 @@ def expert_parallel_forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
     back = _all_to_all(y, in_splits, out_splits, group)  # [kept, D] in send order
     out = torch.zeros_like(x, dtype=torch.float32)
     out.index_add_(0, send_token, (back * send_weight[:, None].to(back.dtype)).to(out.dtype))
-    if self.shared_expert is not None:
-        out = out + self.shared_expert(x)
+    return out
 
-    self.record_routing(one_hot, keep, probs)
-    return out.view(shape)
+
+def _padded_dispatch_combine(self: MoE, x: torch.Tensor, expert_of, slot, token_of, weight_of,
+                             cap: int) -> torch.Tensor:
+    """Every expert gets exactly `cap` rows from every rank, its kept assignments at their queue slots and
+    zeros after (GShard's dispatch tensor; Megatron's pad-expert-input-to-capacity): both all-to-alls
+    have a fixed size, E * cap rows of which (ep - 1)/ep leave the rank, whatever the routing, and no
+    counts go first. The experts also run on the padding; its outputs are never combined, and a zero
+    row gives a SwiGLU expert's weights zero gradient, so the result is the unpadded one exactly."""
+    E, D = self.num_experts, x.shape[-1]
+    group, ep, per_rank = self.ep_group, self.ep_size, self.num_experts // self.ep_size
+    at = expert_of * cap + slot  # [kept] row of each assignment in the [E * cap] buffer (experts in rank order)
+    send = x.new_zeros(E * cap, D).index_copy(0, at, x[token_of])
+    even = [per_rank * cap] * ep
+    received = _all_to_all(send, even, even, group).view(ep, per_rank, cap, D)  # source, local expert, slot
+    y = torch.stack([self.experts[str(self.first_expert + j)](received[:, j].reshape(ep * cap, D)).view(ep, cap, D)
+                     for j in range(per_rank)], dim=1)
+    back = _all_to_all(y.reshape(E * cap, D), even, even, group)  # [E * cap, D] in the send buffer's order
+    out = torch.zeros_like(x, dtype=torch.float32)
+    out.index_add_(0, token_of, (back[at] * weight_of[:, None].to(back.dtype)).to(out.dtype))
+    return out
 
 
 def shard_experts(moe: MoE, group, replica_group, data_size: int) -> None:

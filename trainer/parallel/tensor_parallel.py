@@ -62,6 +62,32 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, None, input_fn=to_dtensor, output_fn=to_local)
 
 
+def keep_grads_in_param_layout(model: nn.Module) -> None:
+    """Hold every tensor-parallel parameter's gradient in the parameter's own layout as it accumulates.
+    The vocab-parallel embedding's weight gradient comes out of DTensor's embedding backward replicated
+    (the whole V x D table on every tp rank: no sharding rule gives its rows), where the parameter holds
+    Shard(0), the seed's "each GPU stores 16,000 embedding rows"; left so, it stays t x its share until
+    zero_grad (and a pipeline stage's data-parallel reduction would send it whole). Replicated to
+    sharded is a local slice, no communication; other mismatches (a norm gain's Partial gradient under
+    sequence parallel) need a collective and are resolved once per step by the gradient norm.
+
+    Registered after materialisation (trainer.parallel.parallelize): a hook put on a meta-device
+    parameter does not survive `to_empty`'s tensor swap; and before the optimizer's and the gradient
+    reducers' own post-accumulate hooks, which then see the sharded gradient (hooks run in order)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if (isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",)
+                and any(pl.is_shard() for pl in p.placements)):
+            p.register_post_accumulate_grad_hook(_slice_replicated_grad)
+
+
+def _slice_replicated_grad(p) -> None:
+    g = p.grad
+    if g is not None and tuple(g.placements) != tuple(p.placements) and all(pl.is_replicate() for pl in g.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """What this plan supports, refused with the reason (config validation checks divisibility; tied
     embeddings are refused with the other layout rules, infra.config.parallel.unsupported_layout)."""

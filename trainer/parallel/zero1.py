@@ -145,6 +145,9 @@ class DistributedOptimizer:
         if self.fp32_grads:
             for _, p in named:
                 p.register_post_accumulate_grad_hook(accumulate_in_fp32)
+            pipe = getattr(model, "pipeline", None)
+            for stage in pipe.stages if pipe is not None else []:
+                fold_weight_pass_into_fp32(stage, {id(p) for _, p in named})
         # In flight: bucket index -> (work, reduce-scatter output) and -> (work, gathered buffer, shard sent).
         self._grad_sync: dict[int, tuple] = {}
         self._param_sync: dict[int, tuple] = {}
@@ -465,6 +468,26 @@ def accumulate_in_fp32(p: torch.Tensor) -> None:
     g = p.grad.to(torch.float32)
     p.main_grad = g if getattr(p, "main_grad", None) is None else p.main_grad.add_(g)
     p.grad = None
+
+
+def fold_weight_pass_into_fp32(stage, ids: set[int]) -> None:
+    """Zero-bubble schedules (ZBV, interleaved zero bubble, DualPipeV) split a stage's backward: the input
+    pass, then a weight pass that assigns or adds each weight's gradient to `.grad` itself
+    (torch.distributed.pipelining's stage_backward_weight), so autograd's post-accumulate hook, and with it
+    `accumulate_in_fp32`, never runs. After every weight pass of `stage`, add what it left in `.grad` to
+    the fp32 `main_grad` and free it, as the hook does: each micro-batch's gradient still sums in fp32.
+    (A weight pass the schedule runs as a full backward, the first stage's, goes through the hook and
+    leaves nothing.) Only parameters in `ids` (the distributed optimizer's) are folded."""
+    run = stage.backward_weight_one_chunk
+
+    def backward_weight_one_chunk(*args, **kwargs):
+        out = run(*args, **kwargs)
+        for p in stage.submod.parameters():
+            if p.grad is not None and id(p) in ids:
+                accumulate_in_fp32(p)
+        return out
+
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 def optimizer_state_bytes(optimizer) -> int:
