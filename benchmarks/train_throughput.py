@@ -12,6 +12,17 @@ with its defaults); Hugging Face's model runs as a user gets it (fp32 weights, s
 autocast, fp32 logits into cross-entropy) with the optimizer its Trainer builds by default (fused AdamW on
 torch >= 2.8), so neither side is credited for the optimizer kernel.
 
+bf16 matmuls: on a CPU without bf16 GEMM units (AVX2, no AVX512-BF16/AMX), torch runs a bf16 matmul in a
+generic kernel about 40x slower than its fp32 GEMM (measured: 1.9 vs 76 GFLOP/s, 2048x256 @ 256x704), and
+since the trainer holds bf16 parameters every step of all three implementations was bound by it (~22 s a
+step, ours 1.03x Hugging Face's). Our trainer multiplies bf16 as bf16 hardware does (bf16 operands, exact
+products, fp32 sums, the output rounded to bf16), which on such a CPU is an fp32 GEMM of the upcast
+operands rounded back (trainer/model/bf16_matmul.py): the same numbers within fp32 summation order, with
+weights, activations and gradients still bf16 in memory. Hugging Face's model and the plain step run as a
+user gets them: their bf16 matmuls take torch's own path, so on such a CPU the ratio is mostly that GEMM.
+On a GPU or a CPU with bf16 units every implementation takes torch's path, and the ratio measures the rest
+of the step. The MFU probe times the bf16 GEMM the trainer runs (trainer.metrics.measure_peak_flops).
+
     python -m benchmarks.train_throughput [--dim 512 --layers 4 --seq 256 --batch 8 --rounds 6]
 """
 

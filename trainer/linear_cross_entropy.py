@@ -12,7 +12,8 @@ so d loss / d logits is known as soon as the softmax is): the backward only scal
 incoming gradient. That needs the same three matmuls as the unfused head (logits, d hidden, d weight)
 and keeps just [T, D] + [V, D] for the backward instead of [T, V] logits.
 
-Numerics follow autocast's: matmuls in the compute dtype (bf16 under autocast) with bf16 logits,
+Numerics follow autocast's: matmuls in the compute dtype (bf16 under autocast; on a CPU without a bf16
+GEMM, as fp32 GEMMs of the bf16 operands rounded to bf16: model/bf16_matmul.py) with bf16 logits,
 softmax, log-sum-exp and losses in fp32, the logits' gradient cast to the compute dtype for the two
 gradient matmuls, and the weight gradient returned in the weight's dtype.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .model.bf16_matmul import mm
 from .model.transformer import compute_dtype
 
 IGNORE_INDEX = -100
@@ -44,7 +46,7 @@ def _softmax_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     if x.dtype == torch.float32:
         torch.mm(x, w.t(), out=buf)
     else:
-        buf.copy_(torch.mm(x, w.t()))  # compute-dtype logits, as autocast's linear would give, then fp32
+        buf.copy_(mm(x, w.t()))  # compute-dtype logits, as autocast's linear would give, then fp32
     target_logit = buf.gather(1, target)
     row_max = buf.amax(dim=1, keepdim=True)
     buf.sub_(row_max).exp_()
@@ -95,9 +97,9 @@ def _loss_and_grads(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, z_l
             if need_grad:
                 _logit_grad(chunk_buf, target, sum_exp, lse, valid, g_ce, g_z, z_loss, g_block[s - b0 : e - b0])
         if need_x:
-            torch.mm(g_block, w, out=grad_x[b0:b1])
+            mm(g_block, w, out=grad_x[b0:b1])
         if need_w:
-            part = torch.mm(g_block.t(), x[b0:b1])
+            part = mm(g_block.t(), x[b0:b1])
             grad_w = part.float() if grad_w is None else grad_w.add_(part)
     return ce_sum, z_sum, grad_x, grad_w
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .model.bf16_matmul import Linear, linear
+
 # Only the dense paths of a block: MoE experts live under `mlp.experts.E.` and are not adapted here.
 TARGET = re.compile(r"^layers\.\d+\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
 
@@ -35,8 +37,8 @@ class LoRALinear(nn.Module):
         self.weight = base.weight
         self.weight.requires_grad_(False)
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=base.weight.device)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=base.weight.device)
+        self.lora_A = Linear(self.in_features, r, device=base.weight.device)
+        self.lora_B = Linear(r, self.out_features, device=base.weight.device)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -45,7 +47,7 @@ class LoRALinear(nn.Module):
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = nn.functional.linear(x, self.weight)
+        base = linear(x, self.weight)
         return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
@@ -85,13 +87,13 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Replace every LoRALinear by a plain nn.Linear holding W + (alpha / r) B A (in place)."""
+    """Replace every LoRALinear by a plain linear layer holding W + (alpha / r) B A (in place)."""
     for name, m in lora_modules(model).items():
         parent_name, child = name.rsplit(".", 1)
-        linear = nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device, dtype=m.weight.dtype)
+        merged = Linear(m.in_features, m.out_features, device=m.weight.device, dtype=m.weight.dtype)
         with torch.no_grad():
-            linear.weight.copy_(m.weight + m.delta_weight().to(m.weight.dtype))
-        setattr(model.get_submodule(parent_name), child, linear)
+            merged.weight.copy_(m.weight + m.delta_weight().to(m.weight.dtype))
+        setattr(model.get_submodule(parent_name), child, merged)
     return model
 
 

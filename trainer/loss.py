@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear_cross_entropy import linear_cross_entropy_sum
+from .model.bf16_matmul import Linear
 from .model.moe import MoE
 
 IGNORE_INDEX = -100
@@ -77,8 +78,8 @@ class HeadLoss:
 
 
 def can_fuse_head(lm_head: nn.Module, hidden: torch.Tensor) -> bool:
-    """A bias-free nn.Linear with no hooks, on plain (not DTensor) weight and input."""
-    return (type(lm_head) is nn.Linear and lm_head.bias is None
+    """A bias-free linear layer (torch's or the model's own) with no hooks, on plain (not DTensor) weight and input."""
+    return (type(lm_head) in (nn.Linear, Linear) and lm_head.bias is None
             and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
             and not hasattr(lm_head.weight, "placements") and not hasattr(hidden, "placements"))
 

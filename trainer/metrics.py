@@ -16,6 +16,7 @@ import torch
 from infra.config.model import ModelConfig
 
 from .model import param_counts
+from .model.bf16_matmul import mm
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -33,18 +34,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5,
                        clock=time.perf_counter) -> float:
-    """Best FLOP/s of a square matmul in `dtype`: the roofline the step is compared against. `clock`
-    lets a benchmark that times steps in CPU time probe with the same clock."""
+    """Best FLOP/s of a square matmul in `dtype`, as the model multiplies (model/bf16_matmul.py: on a CPU
+    without a bf16 GEMM, bf16 runs as an fp32 GEMM of the upcast operands): the roofline the step is
+    compared against. `clock` lets a benchmark that times steps in CPU time probe with the same clock."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):
-        a @ b
+        mm(a, b)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         _sync(device)
         t0 = clock()
         for _ in range(4):
-            a @ b
+            mm(a, b)
         _sync(device)
         best = max(best, 4 * 2 * size**3 / max(clock() - t0, 1e-9))
     return best

@@ -15,15 +15,17 @@ from torch import nn
 
 from infra.config.model import MoEConfig
 
+from .bf16_matmul import Linear
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden)
+        self.up_proj = Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -48,7 +50,7 @@ class MoE(nn.Module):
         self.balance = cfg.balance
         self.aux_loss_coef = cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
-        self.gate = nn.Linear(dim, cfg.num_experts, bias=False)
+        self.gate = Linear(dim, cfg.num_experts)
         self.experts = nn.ModuleList(MLP(dim, hidden) for _ in range(cfg.num_experts))
         self.shared_expert = MLP(dim, hidden) if cfg.shared_expert else None
         # DeepSeek-V3's per-expert routing bias: it shifts which experts are chosen, not their weights,

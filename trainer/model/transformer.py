@@ -13,6 +13,7 @@ from torch import nn
 
 from infra.config.model import ModelConfig
 
+from .bf16_matmul import Linear
 from .init import fill_initial, initial_std
 from .kernels import rms_norm
 from .moe import MLP, MoE
@@ -110,10 +111,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_size = cfg.n_heads, cfg.kv_heads, cfg.head_size
         d = self.head_size
-        self.q_proj = nn.Linear(cfg.dim, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.dim, bias=False)
+        self.q_proj = Linear(cfg.dim, self.n_heads * d)
+        self.k_proj = Linear(cfg.dim, self.n_kv_heads * d)
+        self.v_proj = Linear(cfg.dim, self.n_kv_heads * d)
+        self.o_proj = Linear(self.n_heads * d, cfg.dim)
         # QK-norm (per head, as in OLMo 2 / Qwen 3): bounds attention logits, a loss-spike stabiliser.
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
@@ -174,7 +175,7 @@ class Transformer(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head: Linear | None = Linear(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.init_weights()

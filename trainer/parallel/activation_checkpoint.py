@@ -14,10 +14,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..model.bf16_matmul import bf16_gemm  # noqa: F401  (registers eightfold::bf16_gemm)
+
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
+    torch.ops.eightfold.bf16_gemm.default,  # a bf16 GEMM on a CPU without one: its bf16 output, not an fp32 one
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
