@@ -355,10 +355,11 @@ class PagedLlama:
     """Weights as plain tensors (q/k/v and gate/up fused so each is one matmul) and a forward."""
 
     def __init__(self, shape: LlamaShape, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantization_config: dict | None = None):
         self.shape = shape
         self.dtype = dtype
         self.device = device
+        self.quantization_config = quantization_config  # config.json's (compressed-tensors), if any
         self.load_weights(state_dict)
         self.pieces: EagerPieces = EagerPieces(shape)  # compile() swaps in CompiledPieces
         inv = rope_inv_freq(shape)
@@ -382,14 +383,16 @@ class PagedLlama:
             return cls(LlamaShape.from_hf_config(conf), sd, dtype, torch.device(device))
         if not cfg_path.exists():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint folder (no config.json)")
-        shape = LlamaShape.from_hf_config(json.loads(cfg_path.read_text()))
-        return cls(shape, load_hf_state_dict(model_dir), dtype, torch.device(device))
+        conf = json.loads(cfg_path.read_text())
+        return cls(LlamaShape.from_hf_config(conf), load_hf_state_dict(model_dir), dtype, torch.device(device),
+                   conf.get("quantization_config"))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """(Re)load weights with HF names; missing or misshapen tensors fail naming the tensor."""
         s = self.shape
         sd = {k.removeprefix("module."): v for k, v in sd.items()}
-        quantized = take_quantized(sd, self.dtype)  # INT4 packs and GGUF blocks stay quantized (quant_linear.py)
+        # INT4 packs, int8 (W8A8) channels and GGUF blocks stay quantized (quant_linear.py)
+        quantized = take_quantized(sd, self.dtype, self.quantization_config)
         sd = dequantize_state_dict(sd, self.dtype)
         sd.update(quantized)
 
