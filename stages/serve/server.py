@@ -6,7 +6,9 @@ token-id prompts, logprobs with echo for lm-eval's local-completions, n and best
 and a tools list; without max_tokens a chat runs to a stop or the context's end, as vLLM's does),
 both with SSE streaming (logprobs in the chunks, n choices by index) and every vLLM sampling field
 and prompt_logprobs; /tokenize, /detokenize, /v1/models, /v1/models/{id}, /version, /health,
-/metrics (Prometheus, vLLM's names). Bad requests get 400 with a message (a chat the template
+/metrics (Prometheus, vLLM's names). LoRA adapters are models of their own in /v1/models (with
+`parent`), named by requests' `model`; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+when runtime updating is on. Bad requests get 400 with a message (a chat the template
 cannot render too, never a 500), an unknown model 404, a full queue 429, a missing or wrong API
 key 401. A client that goes away has its request aborted, which
 frees its KV blocks. Opt-in request logging appends prompt/completion pairs as JSON lines that the

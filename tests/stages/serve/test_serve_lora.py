@@ -287,6 +287,23 @@ def test_adapters_that_do_not_fit_are_refused_naming_why(exported, tmp_path):
         load(tmp_path / "nothing")
 
 
+def test_serve_command_takes_lora_modules(monkeypatch, exported, capsys):
+    import stages.serve.server as server
+    from stages.serve.cli import main
+
+    seen = []
+    monkeypatch.setattr(server, "serve_command", lambda model_dir, *a, **options: seen.append(options) or 0)
+    assert main(["serve", "m", "--lora-modules", "sql=/a/sql", "chat=/a/chat"]) == 0
+    assert seen[-1]["lora_modules"] == ["sql=/a/sql", "chat=/a/chat"]
+    monkeypatch.undo()
+    # bad values stop the server before it starts, naming the value: one line, exit code 2
+    assert server.serve_command(str(exported / "base"), lora_modules=["sql"]) == 2
+    said = lambda: " ".join(capsys.readouterr().out.split())  # noqa: E731 - rich wraps long lines
+    assert "--lora-modules 'sql': expected NAME=PATH" in said()
+    assert server.serve_command(str(exported / "base"), lora_modules=[f"x={exported / 'nothing'}"]) == 2
+    assert "not a PEFT adapter folder" in said()
+
+
 def test_lora_modules_option_parses_as_vllm_writes_it():
     assert parse_lora_modules(["a=/x/a", '{"name": "b", "path": "/x/b", "base_model_name": "m"}']) == \
         {"a": "/x/a", "b": "/x/b"}
