@@ -285,7 +285,8 @@ def int8_inputs_of(quantization_config: dict | None) -> bool | None:
     return True
 
 
-def take_int8_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype, int8_inputs: bool) -> dict[str, Int8ChannelWeight]:
+def take_int8_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                      int8_inputs: bool) -> dict[str, Int8ChannelWeight]:
     """Pull each int8 `<base>.weight` and its `.weight_scale` out of `sd` (in place)."""
     out: dict[str, Int8ChannelWeight] = {}
     for name in [n for n, t in sd.items() if n.endswith(".weight") and t.dtype == torch.int8]:

@@ -194,8 +194,9 @@ class ModelRunner:
             blk = np.fromiter((block_ids(s.request.request_id)[s.start // bs] for _, s in rows), dtype=np.int64, count=n)
             whole = [(s.request.token_ids, block_ids(s.request.request_id)) for s in prompts]
             reqs = [s.request for _, s in rows] + [s.request for s in prompts]
-            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows],
-                                 prompts=whole, adapters=_adapters(reqs))
+            tokens = [s.request.token_ids[s.start] for _, s in rows]
+            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, tokens, prompts=whole,
+                                 adapters=_adapters(reqs))
             picks = [(r, i, [], StepResult(sampled=[])) for i, r in enumerate(reqs)]
             self._sample(logits, picks)
             return {p[0].request_id: p[3] for p in picks}

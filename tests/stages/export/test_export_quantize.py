@@ -1,6 +1,7 @@
 """Quantized variants: the compressed-tensors bit layouts, error bounds of each scheme, every variant within
 its threshold when loaded back through the reference dequantizer, INT8 as the W8A8 scheme vLLM selects,
-the serving engine loading FP8 and serving W8A8, and AWQ beating round-to-nearest where activations have outlier channels."""
+the serving engine loading FP8 and serving W8A8, and AWQ beating round-to-nearest where activations have
+outlier channels."""
 
 from __future__ import annotations
 

@@ -138,9 +138,9 @@ def test_int8_inputs_read_from_the_config_and_other_schemes_refused():
     conf = quantization_config("int8")
     assert int8_inputs_of(conf) is True and int8_inputs_of(None) is None
     assert int8_inputs_of(quantization_config("int4")) is None
-    static = {**conf, "config_groups": {"group_0": {**conf["config_groups"]["group_0"],
-                                                    "input_activations": {**conf["config_groups"]["group_0"]["input_activations"],
-                                                                          "strategy": "tensor", "dynamic": False}}}}
+    group = conf["config_groups"]["group_0"]
+    static_inputs = {**group["input_activations"], "strategy": "tensor", "dynamic": False}
+    static = {**conf, "config_groups": {"group_0": {**group, "input_activations": static_inputs}}}
     with pytest.raises(ValueError, match="'strategy': 'tensor'.*are not served"):
         int8_inputs_of(static)
     _, w, q, s = _w8a8()

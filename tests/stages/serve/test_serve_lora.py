@@ -88,7 +88,8 @@ def reference(exported):
         key = (adapter, tuple(ids), n)
         if key not in cache:
             with torch.no_grad():
-                out = models[adapter].generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                out = models[adapter].generate(input_ids=torch.tensor([ids]),
+                                               attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                                max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                                                pad_token_id=0)
             cache[key] = out[0, len(ids):].tolist()
@@ -170,7 +171,8 @@ def test_rows_grouped_by_adapter_get_their_own_update(exported):
 # -- the engine: adapters and the base model in one step -------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{}, {"decode_slots": False}, {"speculative": "ngram", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("options", [{}, {"decode_slots": False},
+                                     {"speculative": "ngram", "num_speculative_tokens": 3}],
                          ids=["decode-slots", "paged", "ngram"])
 def test_engine_adapter_and_base_requests_share_steps_and_equal_transformers(exported, reference, options):
     eng = LLMEngine(exported / "base", EngineConfig(num_kv_blocks=256, max_num_seqs=16, **options))
@@ -379,7 +381,8 @@ def test_load_and_unload_endpoints_as_vllm(served, client, exported, reference, 
     ids = reference.encode(PROMPTS[2])
     r = client.completions.create(model="extra", prompt=PROMPTS[2], max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
-    assert r.choices[0].text == router.primary.engine.tokenizer.decode(reference("sql", ids, 8), skip_special_tokens=True)
+    decode = router.primary.engine.tokenizer.decode
+    assert r.choices[0].text == decode(reference("sql", ids, 8), skip_special_tokens=True)
     again = httpx.post(url + "load_lora_adapter", json={"lora_name": "extra", "lora_path": str(exported / "sql")})
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     swap = httpx.post(url + "load_lora_adapter", json={"lora_name": "extra", "lora_path": str(exported / "chat"),
@@ -387,7 +390,7 @@ def test_load_and_unload_endpoints_as_vllm(served, client, exported, reference, 
     assert swap.status_code == 200
     r = client.completions.create(model="extra", prompt=PROMPTS[2], max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
-    assert r.choices[0].text == router.primary.engine.tokenizer.decode(reference("chat", ids, 8), skip_special_tokens=True)
+    assert r.choices[0].text == decode(reference("chat", ids, 8), skip_special_tokens=True)
     missing = httpx.post(url + "load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "none")})
     assert missing.status_code == 404 and "No adapter found" in missing.json()["error"]["message"]
     bad = tmp_path / "bad"
@@ -409,7 +412,8 @@ def test_load_and_unload_endpoints_as_vllm(served, client, exported, reference, 
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="extra", prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2)
 
 
 def test_load_endpoints_are_off_unless_asked(served):
