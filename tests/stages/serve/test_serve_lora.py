@@ -104,6 +104,7 @@ class ForwardSpy:
 
     def __init__(self, model):
         self.model, self.calls, self.inner = model, [], model.forward
+        self.joined = []  # per forward: adapter rows in a step where whole prompts join the decodes
 
         def forward(input_ids, meta, cache, logits_index, lora=None):
             T = int(input_ids.shape[0])
@@ -112,6 +113,7 @@ class ForwardSpy:
                 n = T if rows is None else (rows.stop - rows.start) if isinstance(rows, slice) else int(rows.numel())
                 groups[adapter.name] = n
             self.calls.append((T, groups))
+            self.joined.append(bool(groups) and meta.prefill_mask is not None)
             return self.inner(input_ids, meta, cache, logits_index, lora)
 
         model.forward = forward
@@ -244,6 +246,7 @@ def test_compiled_engine_runs_adapter_steps_eagerly_and_exactly(exported, refere
     eng.step()
     eng.step()  # two base requests decoding: a compiled step
     assert eng.model.pieces.num_calls > calls_before
+    spy = ForwardSpy(eng.model)
     later = [eng.add_request(ids[2], sp, lora_name="chat"), eng.add_request(ids[3], sp)]  # prompts joining decodes
     got = {}
     while eng.has_unfinished():
@@ -252,6 +255,7 @@ def test_compiled_engine_runs_adapter_steps_eagerly_and_exactly(exported, refere
                 got[o.request_id] = o.token_ids
     assert got[first[0]] == reference(None, ids[0], n) and got[first[1]] == reference(None, ids[1], n)
     assert got[later[0]] == reference("chat", ids[2], n) and got[later[1]] == reference(None, ids[3], n)
+    assert spy.joined[0], "the adapter's prompt did not join the decode step"
 
 
 def test_adapters_that_do_not_fit_are_refused_naming_why(exported, tmp_path):
