@@ -6,7 +6,15 @@ INT4 weight-only quantization (AWQ, GPTQ) quarters memory for bandwidth-bound se
 
   fp8       `float-quantized`: weight float8_e4m3fn [out, in] + weight_scale [out, 1], symmetric
             per output channel, scale = max|w_row| / 448; inputs declared dynamic per-token FP8 (W8A8).
-  int8      `int-quantized`: weight int8 + weight_scale [out, 1], scale = max|w_row| / 127 (W8A16).
+  int8      `int-quantized` W8A8: weight int8 + weight_scale [out, 1], symmetric per output channel, inputs
+            declared dynamic per-token int8 (compressed-tensors' W8A8 preset, scales and int8 values made by
+            its own calculate_qparams and IntQuantizationCompressor: scale = max|w_row| / 127.5, round to
+            nearest, clamp to [-128, 127]). This is the scheme vLLM's compressed-tensors selection
+            serves with an int8 kernel (vllm/model_executor/layers/quantization/compressed_tensors/
+            compressed_tensors.py: `_get_scheme_from_parts` -> `_is_dynamic_token_w8a8` ->
+            CompressedTensorsW8A8Int8). Without input activations, an `int-quantized` group with int
+            weights fails there already while parsing: `_quantization_scheme_map_from_config` asserts that
+            an activation-quantization format with no input_activations has float weights.
   int4      `pack-quantized`: weight_packed int32 [out, in/8] (eight 4-bit values per int32, value j of a
             word at bits 4j..4j+3, stored as q + 8), weight_scale [out, in/group] (one scale per `group`
             inputs, max|w| / 7, symmetric, round to nearest), weight_shape int64 [2] (W4A16).
@@ -46,11 +54,29 @@ def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def int8_w8a8_scheme():
+    """compressed-tensors' W8A8 preset on every Linear: int8 weights, symmetric per channel, static;
+    int8 inputs, symmetric per token, dynamic."""
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("W8A8", ["Linear"])
+    scheme.format = CompressionFormat.int_quantized.value
+    return scheme
+
+
 def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (int8 weight, float32 scale [out, 1]); symmetric, round to nearest."""
+    """w [out, in] -> (int8 weight, float32 scale [out, 1]) as compressed-tensors writes W8A8 weights:
+    its calculate_qparams (scale = max|w_row| / 127.5) and IntQuantizationCompressor (round to nearest,
+    clamp to [-128, 127]); |q * scale - w| <= scale / 2 elementwise."""
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = int8_w8a8_scheme()
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-    return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
+    scale, _ = calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), scheme.weights)
+    q = IntQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)["weight"]
+    return q, scale
 
 
 def int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,10 +163,12 @@ def quantization_config(scheme: str, group: int = 128, fp8_activations: bool = T
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
         acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True} \
             if fp8_activations else None
-    elif scheme == "int8":
-        fmt = "int-quantized"
-        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
-        acts = None
+    elif scheme == "int8":  # W8A8, written by compressed-tensors' own config classes
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+        conf = QuantizationConfig(config_groups={"group_0": int8_w8a8_scheme()}, format="int-quantized",
+                                  quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+        return conf.model_dump(mode="json")
     elif scheme == "int4":
         fmt = "pack-quantized"
         weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
@@ -184,6 +212,14 @@ def dequantize_state_dict(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]
         else:
             out[name] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """What vLLM's W8A8 int8 kernel does to its input (dynamic, symmetric, per token: its
+    scaled_int8_quant takes scale = max|x_row| / 127 and rounds to nearest): the rounded values, in x's dtype."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
+    return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
 
 
 def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:

@@ -177,12 +177,13 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"capacity_factor": None})})
 
 
-def our_forward(sd: dict[str, torch.Tensor], cfg: ModelConfig, fp8_activations: bool = False) -> Forward:
-    """Our model in fp32 with the given weights; `fp8_activations` rounds every block linear's input to
-    FP8 with a per-token scale, as a W8A8 kernel would."""
+def our_forward(sd: dict[str, torch.Tensor], cfg: ModelConfig, fp8_activations: bool = False,
+                int8_activations: bool = False) -> Forward:
+    """Our model in fp32 with the given weights; `fp8_activations` / `int8_activations` round every block
+    linear's input to FP8 / INT8 with a per-token scale, as a W8A8 kernel would."""
     from trainer.model import Transformer
 
-    from .quantize import fake_quant_fp8_per_token
+    from .quantize import fake_quant_fp8_per_token, fake_quant_int8_per_token
 
     model = Transformer(reference_config(cfg))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
@@ -190,10 +191,11 @@ def our_forward(sd: dict[str, torch.Tensor], cfg: ModelConfig, fp8_activations: 
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.eval()
-    if fp8_activations:
+    if fp8_activations or int8_activations:
+        fake_quant = fake_quant_fp8_per_token if fp8_activations else fake_quant_int8_per_token
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear) and name.startswith("layers.") and not name.endswith("mlp.gate"):
-                mod.register_forward_pre_hook(lambda m, args: (fake_quant_fp8_per_token(args[0]),))
+                mod.register_forward_pre_hook(lambda m, args: (fake_quant(args[0]),))
     return lambda tokens: model(tokens).float()
 
 
@@ -235,8 +237,9 @@ def folder_forward(model_dir: str | Path) -> Forward:
     sd, cfg, conf = load_hf_folder(model_dir)
     q = conf.get("quantization_config") or {}
     acts = (q.get("config_groups") or {}).get("group_0", {}).get("input_activations")
-    fp8_acts = bool(acts) and acts.get("type") == "float" and acts.get("num_bits") == 8
-    return our_forward(sd, cfg, fp8_activations=fp8_acts)
+    quantized_inputs = bool(acts) and acts.get("num_bits") == 8 and acts.get("strategy") == "token"
+    return our_forward(sd, cfg, fp8_activations=quantized_inputs and acts.get("type") == "float",
+                       int8_activations=quantized_inputs and acts.get("type") == "int")
 
 
 def gguf_forward(path: str | Path, cfg: ModelConfig) -> Forward:

@@ -2,8 +2,9 @@
 caching (kv_cache.py), requests (request.py) and a scheduler that is pure bookkeeping over a
 per-step token budget (scheduler.py), a paged-attention Llama forward over a Hugging Face checkpoint
 (model.py; mixture-of-experts layers of Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints: moe.py; INT4
-pack-quantized and GGUF Q8_0/Q4_0 weights stay packed in memory and dequantize per forward:
-quant_linear.py, gguf_loader.py), contiguous K/V rows that decoding requests read in place
+pack-quantized, INT8 W8A8 and GGUF Q8_0/Q4_0 weights stay packed in memory: quant_linear.py,
+gguf_loader.py; PEFT LoRA adapters applied per row of the batch: lora.py), contiguous K/V rows that
+decoding requests read in place
 (decode_slots.py), the runner that turns one scheduled step into one forward (runner.py), sampling and
 logprobs (sampling.py), speculative decoding with exact rejection sampling (speculative.py), the
 engine and its in-process API for evaluation and RL rollouts (engine.py), its asyncio driver

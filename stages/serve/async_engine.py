@@ -60,10 +60,12 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None, *, hold_kv: bool = False,
-                       prefilled: PrefilledRequest | None = None) -> AsyncIterator[RequestOutput]:
+                       prefilled: PrefilledRequest | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield outputs as they come; leaving early (a client disconnect) aborts the request.
         `hold_kv` and `prefilled`: the prefill and the decode side of a disaggregated request
-        (`LLMEngine.add_request`, `LLMEngine.add_prefilled_request`; disagg.py)."""
+        (`LLMEngine.add_request`, `LLMEngine.add_prefilled_request`; disagg.py). `lora_name`: the
+        LoRA adapter it runs with."""
         ids = list(prompt_ids)
         self.engine.check_request(ids, params)  # ValueError -> 400 before anything is queued
         cfg = self.engine.config
@@ -73,12 +75,17 @@ class AsyncEngine:
         rid = request_id or f"{self.model_name}-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         if prefilled is not None:
+            if lora_name is not None:
+                raise ValueError("LoRA adapters are not served with prefill/decode disaggregation")
             first = self.engine.add_prefilled_request(ids, params, rid, prefilled)
             q.put_nowait(first)
             if not first.finished:
                 self._queues[rid] = q
         else:
-            self.engine.add_request(ids, params, request_id=rid, hold_kv=hold_kv)
+            try:
+                self.engine.add_request(ids, params, request_id=rid, hold_kv=hold_kv, lora_name=lora_name)
+            except LookupError as e:  # unloaded since the server resolved the name: the request's fault, a 400
+                raise ValueError(str(e)) from None
             self._queues[rid] = q
         self._ensure_running()
         self._wake.set()

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prefill/decode disaggregation: this many prefill engines ship K/V to the --replicas "
                         "decode engines (disagg.py); 0: every engine does both")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served under their own model names (vLLM's option: NAME=PATH or "
+                        "JSON {\"name\": ..., \"path\": ...}); VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also serves "
+                        "/v1/load_lora_adapter and /v1/unload_lora_adapter")
     _add_engine_options(s)
 
     b = sub.add_parser("bench", help="load benchmark (like `vllm bench serve`)")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
                              replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
                              canary_share=ns.canary_share, prefill_replicas=ns.prefill_replicas,
-                             **_engine_options(ns))
+                             lora_modules=ns.lora_modules, **_engine_options(ns))
     from .bench import bench_serve_command, parse_goodput
 
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .lora import LoRAAdapter, LoRAStep
 from .model import AttentionGroup, AttentionMetadata, KVCacheTensors, LlamaShape, build_attention_metadata
 from .request import Request, RequestStatus
 
@@ -225,7 +226,8 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
 
 def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray,
                 blk: np.ndarray, tokens: list[int], nq: np.ndarray | None = None,
-                prompts: list[tuple[list[int], list[int]]] | None = None) -> torch.Tensor:
+                prompts: list[tuple[list[int], list[int]]] | None = None,
+                adapters: list[LoRAAdapter | None] | None = None) -> torch.Tensor:
     """The all-decode step: every sequence in a decode slot, given in slot order (`sl` ascending),
     feeding `nq[i]` tokens (default one each; more with draft tokens to verify) from position
     `pos[i]`. `tokens`, and `blk` (the pool block of each token's position), are per token, the
@@ -234,15 +236,22 @@ def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray
 
     `prompts` (compiled models, one token per decode): whole prompts, each (token ids, block ids),
     prefilled in the same forward after the decodes (requests joining a running batch). Logits are
-    then of the decodes and of each prompt's last token, in that order."""
+    then of the decodes and of each prompt's last token, in that order.
+
+    `adapters`: the LoRA adapter (or None) of each decode, then of each prompt."""
     dev = model.device
+    lora = None
+    if adapters is not None:
+        lens = [1] * len(sl) if nq is None else nq.tolist()
+        lens += [len(ids) for ids, _ in prompts or []]
+        lora = LoRAStep.from_runs(zip(adapters, lens), dev)
     group = model.shape.num_heads // model.shape.num_kv_heads
     g, step = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
     bs = cache.block_size
     row_pos = pos if nq is None else np.repeat(pos, nq) + _within(nq)
     if not prompts:
         meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
-        return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None)
+        return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None, lora)
     lens = np.fromiter((len(ids) for ids, _ in prompts), dtype=np.int64, count=len(prompts))
     p_pos, p_mask, logits_rows = prompt_layout(lens, len(tokens))
     p_blk = np.concatenate([np.asarray(blocks, dtype=np.int64)[np.arange(len(ids)) // bs] for ids, blocks in prompts])
@@ -250,7 +259,7 @@ def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray
                              _to(np.concatenate((row_pos, p_pos)), dev), [g], dense=step,
                              prefill_mask=_to(p_mask, dev).to(model.dtype))
     ids = tokens + [t for p, _ in prompts for t in p]
-    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, _to(logits_rows, dev))
+    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, _to(logits_rows, dev), lora)
 
 
 def run_with_slots(
@@ -261,11 +270,12 @@ def run_with_slots(
     rows: list[list[int]],
     slot_ids: list[int | None],
     short_query: int = 16,
+    adapters: list[LoRAAdapter | None] | None = None,
 ) -> torch.Tensor:
     """`run_paged` (model.py) where the sequences with a slot (decodes, with or without draft tokens
     to verify) attend over their slot rows: the paged sequences come first in the flat batch, then
     the slotted ones in slot order, as one attention group over the run of slots they span. Returns logits in the order of
-    `seqs` and `rows`, like run_paged."""
+    `seqs` and `rows`, like run_paged; `adapters` as run_paged's."""
     n = len(seqs)
     dev = model.device
     paged = [i for i in range(n) if slot_ids[i] is None]
@@ -304,9 +314,12 @@ def run_with_slots(
         meta.slot_mapping = torch.cat((meta.slot_mapping, _to(blk * bs + row_pos % bs, dev)))
         meta.positions = torch.cat((meta.positions, _to(row_pos, dev)))
         meta.dense = step
+    lora = None if adapters is None else \
+        LoRAStep.from_runs(((adapters[i], len(seqs[i][2])) for i in order + dense), dev)
     return model.forward(
         torch.tensor(ids, dtype=torch.long, device=dev),
         meta,
         cache,
         torch.tensor(index, dtype=torch.long, device=dev),
+        lora,
     )

@@ -22,6 +22,7 @@ import torch
 from .decode_slots import DecodeSlots
 from .gguf_loader import find_gguf
 from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, num_blocks_for_budget, prefix_block_hashes
+from .lora import LoRAAdapter, load_lora_adapter
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
 from .request import Request
@@ -268,6 +269,7 @@ class LLMEngine:
         self._kv_hold: set[str] = set()  # requests whose prompt blocks are kept when they finish
         self.held_kv: dict[str, HeldKV] = {}
         self.weights_version = 0  # bumped by update_weights: K/V exported before it are stale
+        self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by served name (load_lora)
         self._checkpoint_fingerprint: str | None = None
 
     # -- requests --------------------------------------------------------------------------------
@@ -299,10 +301,13 @@ class LLMEngine:
             )
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False) -> str:
+                    request_id: str | None = None, hold_kv: bool = False, lora_name: str | None = None) -> str:
         """Queue a request. `hold_kv`: when it finishes, keep its full prompt blocks referenced
-        (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests)."""
+        (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests).
+        `lora_name`: a loaded LoRA adapter it runs with (LookupError when none is loaded by that name)."""
         req = self._new_request(prompt, params or SamplingParams(), request_id or f"req-{next(self._ids)}")
+        if lora_name is not None:
+            req.lora = self.lora_adapter(lora_name)
         self._enqueue(req)
         if hold_kv:
             self._kv_hold.add(req.request_id)
@@ -528,6 +533,33 @@ class LLMEngine:
             result.append((total, greedy))
         return result
 
+    # -- LoRA adapters (lora.py) ------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path, replace: bool = False) -> LoRAAdapter:
+        """Load a PEFT LoRA adapter under `name` (requests naming it get it). `replace`: swap the
+        weights of an adapter already loaded by that name (vLLM's load_inplace); its running requests
+        finish with the old ones. ValueError for a name taken or an adapter this model cannot serve,
+        FileNotFoundError for a folder with no adapter."""
+        if not name or name == self.model_name:
+            raise ValueError(f"a LoRA adapter needs a name other than the base model's ({self.model_name!r})")
+        if name in self.loras and not replace:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = load_lora_adapter(name, path, self.model.shape, self.model.dtype, self.model.device)
+        self.loras[name] = adapter
+        log.info("loaded LoRA adapter %r from %s (r=%d, %d bytes)", name, path, adapter.rank, adapter.nbytes)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (LookupError when none has that name). Requests already running with it
+        keep it to their end; new ones naming it are refused."""
+        if self.loras.pop(name, None) is None:
+            raise LookupError(f"no LoRA adapter named {name!r} is loaded")
+
+    def lora_adapter(self, name: str) -> LoRAAdapter:
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise LookupError(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.loras)}")
+        return adapter
+
     # -- K/V kept for export (prefill/decode disaggregation) -------------------------------------
     def _hold_kv(self, req: Request) -> None:
         """Right after `req` finished (its blocks just went to the free queue, their hashes intact,
@@ -538,7 +570,7 @@ class LLMEngine:
         self._kv_hold.discard(rid)
         bs = self.kv.block_size
         n_full = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
-        hashes = prefix_block_hashes(req.prompt_token_ids, bs, n_full)
+        hashes = prefix_block_hashes(req.prompt_token_ids, bs, n_full, req.prefix_salt)
         blocks = []
         for h in hashes:
             b = self.kv.pool.lookup(h)

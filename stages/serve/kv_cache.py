@@ -43,10 +43,13 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids`, in order."""
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                        salt: bytes | None = None) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids`, in order. `salt` keys them by more than the tokens
+    (a LoRA adapter: the same prompt has other K/V under it), mixed into the first block's hash and so,
+    chained, into every later one's (vLLM's extra keys)."""
     out: list[bytes] = []
-    parent = None
+    parent = salt
     n_full = len(token_ids) // block_size
     if max_blocks is not None:
         n_full = min(n_full, max_blocks)
@@ -181,14 +184,16 @@ class KVCacheManager:
         return sum(1 for b in self.pool.blocks if b.ref_cnt > 0)
 
     # -- prefix caching --------------------------------------------------------------------------
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[Block], int]:
-        """Longest run of cached full blocks at the start of `token_ids`. At least one token is left
-        to compute, because the last prompt token's logits are needed to sample."""
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            salt: bytes | None = None) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of `token_ids` (hashed with `salt`, as
+        prefix_block_hashes). At least one token is left to compute, because the last prompt token's
+        logits are needed to sample."""
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[Block] = []
-        parent = None
+        parent = salt
         for i in range(max_blocks):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             b = self.pool.lookup(parent)
@@ -233,15 +238,17 @@ class KVCacheManager:
             r.ids.extend(b.block_id for b in new)
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the hashes of the request's full blocks whose K/V are all computed."""
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                          salt: bytes | None = None) -> None:
+        """Register the hashes of the request's full blocks whose K/V are all computed (`salt`: as
+        get_computed_blocks)."""
         if not self.enable_prefix_caching:
             return
         r = self.req.get(request_id)
         if r is None:
             return
         n_full = min(num_computed // self.block_size, len(r.blocks))
-        parent = r.hashes[-1] if r.hashes else None
+        parent = r.hashes[-1] if r.hashes else salt
         for i in range(len(r.hashes), n_full):
             parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             r.hashes.append(parent)

@@ -13,6 +13,7 @@ too: their sparse layers' MLP is moe.py's token-grouped expert computation, the 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from .compiled_forward import EagerPieces
 from .gguf_loader import find_gguf, load_gguf
+from .lora import LoRAAdapter, LoRAStep
 from .moe import MoEWeights
 from .quant_linear import take_quantized
 
@@ -353,10 +355,11 @@ class PagedLlama:
     """Weights as plain tensors (q/k/v and gate/up fused so each is one matmul) and a forward."""
 
     def __init__(self, shape: LlamaShape, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantization_config: dict | None = None):
         self.shape = shape
         self.dtype = dtype
         self.device = device
+        self.quantization_config = quantization_config  # config.json's (compressed-tensors), if any
         self.load_weights(state_dict)
         self.pieces: EagerPieces = EagerPieces(shape)  # compile() swaps in CompiledPieces
         inv = rope_inv_freq(shape)
@@ -380,14 +383,16 @@ class PagedLlama:
             return cls(LlamaShape.from_hf_config(conf), sd, dtype, torch.device(device))
         if not cfg_path.exists():
             raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint folder (no config.json)")
-        shape = LlamaShape.from_hf_config(json.loads(cfg_path.read_text()))
-        return cls(shape, load_hf_state_dict(model_dir), dtype, torch.device(device))
+        conf = json.loads(cfg_path.read_text())
+        return cls(LlamaShape.from_hf_config(conf), load_hf_state_dict(model_dir), dtype, torch.device(device),
+                   conf.get("quantization_config"))
 
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """(Re)load weights with HF names; missing or misshapen tensors fail naming the tensor."""
         s = self.shape
         sd = {k.removeprefix("module."): v for k, v in sd.items()}
-        quantized = take_quantized(sd, self.dtype)  # INT4 packs and GGUF blocks stay quantized (quant_linear.py)
+        # INT4 packs, int8 (W8A8) channels and GGUF blocks stay quantized (quant_linear.py)
+        quantized = take_quantized(sd, self.dtype, self.quantization_config)
         sd = dequantize_state_dict(sd, self.dtype)
         sd.update(quantized)
 
@@ -431,9 +436,12 @@ class PagedLlama:
                 layer["down"] = get(p + "mlp.down_proj.weight", (H, s.intermediate_size))
             self.layers.append(layer)
 
-    def layer_weights(self, li: int) -> tuple[tuple, tuple]:
-        """Layer `li`'s weights as the two tuples the pieces take: (attention in, attention out + MLP)."""
+    def layer_weights(self, li: int, lora: LoRAStep | None = None) -> tuple[tuple, tuple]:
+        """Layer `li`'s weights as the two tuples the pieces take: (attention in, attention out + MLP).
+        With `lora`, the projections this step's adapters adapt come as LoRALinear (lora.py)."""
         L = self.layers[li]
+        if lora is not None:
+            L = {**L, **{p: lora.wrap(li, p, L[p]) for p in ("qkv", "o", "gate_up", "down") if p in L}}
         return ((L["attn_norm"], L["qkv"], L["qkv_bias"], L["q_norm"], L["k_norm"]),
                 (L["o"], L["mlp_norm"], L["gate_up"], L["down"]) if L["moe"] is None else
                 (L["o"], L["mlp_norm"], L["moe"], None))
@@ -455,6 +463,7 @@ class PagedLlama:
         meta: AttentionMetadata,
         cache: KVCacheTensors,
         logits_index: torch.Tensor | None,  # [N] rows whose logits are wanted (None: every row)
+        lora: LoRAStep | None = None,  # the rows that use LoRA adapters (lora.py); None: base model only
     ) -> torch.Tensor:
         s = self.shape
         T = input_ids.shape[0]
@@ -467,12 +476,16 @@ class PagedLlama:
         # decode slots): its output is the attention output itself, no scatter into a buffer
         whole = len(meta.groups) == 1 and meta.groups[0].row_range == (0, T)
         pieces = self.pieces
+        layer_weights = self.layer_weights
+        if lora is not None:  # adapter rows: the eager pieces, through the adapted weights
+            pieces = pieces.eager if pieces.compiled else pieces
+            layer_weights = functools.partial(self.layer_weights, lora=lora)
         if meta.prefill_mask is not None or (whole and pieces.compiled and logits_index is None and not cache.fp8):
             g = meta.groups[0]
             # an all-decode step (drafts to verify or not), or decodes plus whole prompts: one compiled call
             if g.dense is not None:
                 st = g.dense
-                weights = [self.layer_weights(li) for li in range(len(self.layers))]
+                weights = [layer_weights(li) for li in range(len(self.layers))]
                 return pieces.dense_decode(input_ids, self.embed, cos, sin, meta.slot_mapping, st.dest, g.mask,
                                            cache.kv, st.slots.kv, weights, self.final_norm, self.lm_head, st.lo,
                                            meta.prefill_mask, logits_index)
@@ -480,7 +493,7 @@ class PagedLlama:
         scale = 1.0 / math.sqrt(d)
         group = nh // kvh
         n_layers = len(self.layers)
-        attn_in, attn_out = self.layer_weights(0)
+        attn_in, attn_out = layer_weights(0)
         q, kv_new = pieces.first(x, attn_in, cos, sin)
         for li in range(n_layers):
             # the token-wise math (norms, projections, RoPE, MLP) is in `pieces` (compiled_forward.py)
@@ -510,7 +523,7 @@ class PagedLlama:
                 else:
                     attn[g.valid_rows] = o.reshape(S, Q, nh, d)[g.valid]
             if li + 1 < n_layers:
-                next_in, next_out = self.layer_weights(li + 1)
+                next_in, next_out = layer_weights(li + 1)
                 x, q, kv_new = pieces.between(x, attn, attn_out, next_in, cos, sin)
                 attn_out = next_out
             else:
@@ -525,9 +538,11 @@ def run_paged(
     seqs: list[tuple[list[int], int, list[int]]],
     rows: list[list[int]],
     short_query: int = 16,
+    adapters: list[LoRAAdapter | None] | None = None,
 ) -> torch.Tensor:
     """One forward over several sequences. `seqs`: (block ids, start position, new token ids);
-    `rows[i]`: which of sequence i's new tokens (0-based) want logits. Returns [sum(rows), V] in the
+    `rows[i]`: which of sequence i's new tokens (0-based) want logits; `adapters[i]`: the LoRA
+    adapter sequence i runs with (None, or no list: the base model). Returns [sum(rows), V] in the
     order of `seqs` and `rows`.
 
     Internally the flat batch is ordered as the attention groups are (short queries by context
@@ -549,4 +564,5 @@ def run_paged(
         meta,
         cache,
         torch.tensor(index, dtype=torch.long, device=dev),
+        None if adapters is None else LoRAStep.from_runs(((adapters[i], len(seqs[i][2])) for i in order), dev),
     )

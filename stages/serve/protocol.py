@@ -260,3 +260,17 @@ class TokenizeRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's /v1/load_lora_adapter (vllm/entrypoints/serve/lora/protocol.py): `load_inplace` swaps the
+    weights of an adapter already loaded under that name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; adapters are found by name here

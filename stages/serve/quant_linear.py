@@ -5,6 +5,11 @@ Two families, both read straight from the files the export stage writes:
   Int4GroupWeight   compressed-tensors `pack-quantized` (W4A16): `weight_packed` int32 [out, in/8] (eight
                     4-bit values per word, value j at bits 4j..4j+3, stored as q + 8) and `weight_scale`
                     [out, in/group], w = q * scale per group of `group` inputs.
+  Int8ChannelWeight compressed-tensors `int-quantized` W8A8: `weight` int8 [out, in] and `weight_scale` [out, 1],
+                    w = q * scale per output row. With the config's dynamic per-token int8 input activations
+                    (what vLLM's CompressedTensorsW8A8Int8 runs) each row of the input is rounded to int8
+                    with its own scale max|x_row| / 127 first, and the product of the two int8 matrices is
+                    scaled back: y = (q_x q_w^T) * s_x * s_w^T, as the int8 GEMM computes it.
   GGUFBlockWeight   ggml Q8_0 / Q4_0 blocks of 32 weights along a row: one fp16 scale `d` per block and
                     32 int8 values (Q8_0) or 16 bytes of nibbles, low nibbles first (Q4_0, q - 8), w = q * d.
                     Kept as the block's two parts (scales [rows, blocks], quants [rows, bytes]): the same
@@ -70,6 +75,8 @@ class QuantizedWeight:
             x, w, *rest = args
             if "weight" in kwargs:
                 w = kwargs.pop("weight")
+            if isinstance(w, Int8ChannelWeight):
+                return w.linear(x, *rest, **kwargs)
             return func(x, w.dequantize(x.dtype), *rest, **kwargs)
         if func is torch.cat:
             tensors = args[0] if args else kwargs.pop("tensors")
@@ -135,6 +142,50 @@ class Int4GroupWeight(QuantizedWeight):
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return self._dequant(self.packed[index.reshape(-1)], self.scale[index.reshape(-1)],
                              self.dtype).reshape(*index.shape, self.shape[1])
+
+
+class Int8ChannelWeight(QuantizedWeight):
+    """compressed-tensors int-quantized, symmetric per output channel; `int8_inputs`: W8A8 (see the module
+    docstring), else the weight alone is quantized."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, int8_inputs: bool):
+        if q.dtype != torch.int8 or q.dim() != 2 or tuple(scale.shape) != (q.shape[0], 1):
+            raise ValueError(f"an int8 channel weight needs int8 [out, in] values and a [out, 1] scale; got "
+                             f"{q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}")
+        self.q, self.scale, self.dtype, self.int8_inputs = q, scale.float(), dtype, int8_inputs
+        self.shape = (int(q.shape[0]), int(q.shape[1]))
+
+    def _parts(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
+    def to(self, device=None, dtype=None) -> "Int8ChannelWeight":
+        return Int8ChannelWeight(self.q.to(device), self.scale.to(device), dtype or self.dtype, self.int8_inputs)
+
+    @classmethod
+    def concat_rows(cls, ws: list["Int8ChannelWeight"]) -> "Int8ChannelWeight":
+        if len({(w.shape[1], w.int8_inputs) for w in ws}) != 1:
+            raise ValueError(f"cannot fuse int8 weights of different widths or input schemes: {[w.shape for w in ws]}")
+        return cls(torch.cat([w.q for w in ws]), torch.cat([w.scale for w in ws]), ws[0].dtype, ws[0].int8_inputs)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(dtype or self.dtype)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        flat = index.reshape(-1)
+        return (self.q[flat].float() * self.scale[flat]).to(self.dtype).reshape(*index.shape, self.shape[1])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.int8_inputs:
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        xf = x.float()
+        sx = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)  # vLLM's dynamic per-token scale
+        qx = torch.round(xf / sx).clamp(-128, 127)
+        # integer products summed in float32 (exact up to 2^24 per partial sum, then float rounding):
+        # the int32-accumulating GEMM, emulated where no int8 matmul is at hand
+        y = (qx @ self.q.float().T) * sx * self.scale.T
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
 
 
 GGUF_BLOCK = 32  # weights per Q8_0 / Q4_0 block
@@ -217,10 +268,45 @@ def take_int4_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[s
     return out
 
 
-def take_quantized(sd: dict, dtype: torch.dtype) -> dict[str, QuantizedWeight]:
-    """Every weight the model keeps quantized, pulled out of `sd` (in place): INT4 triples and weights
-    already built as QuantizedWeight (the GGUF loader's)."""
+def int8_inputs_of(quantization_config: dict | None) -> bool | None:
+    """None unless the config is compressed-tensors int-quantized; then whether its inputs are dynamic
+    per-token int8 (W8A8). Any other int8 input scheme (static, per tensor) is refused, naming it."""
+    q = quantization_config or {}
+    if q.get("quant_method") != "compressed-tensors" or q.get("format") != "int-quantized":
+        return None
+    acts = [g.get("input_activations") for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if not any(acts):
+        return False
+    want = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    for a in acts:
+        got = {k: (a or {}).get(k) for k in want}
+        if got != want:
+            raise ValueError(f"int-quantized input activations {got} are not served; this engine serves {want}")
+    return True
+
+
+def take_int8_weights(sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                      int8_inputs: bool) -> dict[str, Int8ChannelWeight]:
+    """Pull each int8 `<base>.weight` and its `.weight_scale` out of `sd` (in place)."""
+    out: dict[str, Int8ChannelWeight] = {}
+    for name in [n for n, t in sd.items() if n.endswith(".weight") and t.dtype == torch.int8]:
+        scale = name[: -len("weight")] + "weight_scale"
+        if scale not in sd:
+            raise KeyError(f"int8 weight {name!r} has no {scale!r}")
+        if name[: -len("weight")] + "weight_zero_point" in sd:
+            raise ValueError(f"{name}: asymmetric int8 (weight_zero_point) is not supported; export symmetric channels")
+        out[name] = Int8ChannelWeight(sd.pop(name), sd.pop(scale), dtype, int8_inputs)
+    return out
+
+
+def take_quantized(sd: dict, dtype: torch.dtype, quantization_config: dict | None = None) -> dict[str, QuantizedWeight]:
+    """Every weight the model keeps quantized, pulled out of `sd` (in place): INT4 triples, int8 channel
+    weights of an int-quantized config (W8A8 when it declares int8 inputs) and weights already built as
+    QuantizedWeight (the GGUF loader's)."""
     out: dict[str, QuantizedWeight] = take_int4_weights(sd, dtype)
+    int8_inputs = int8_inputs_of(quantization_config)
+    if int8_inputs is not None:
+        out.update(take_int8_weights(sd, dtype, int8_inputs))
     for name in [n for n, v in sd.items() if isinstance(v, QuantizedWeight)]:
         out[name] = sd.pop(name)
         out[name].dtype = dtype

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .lora import LoRAAdapter
 from .sampling import SamplingParams, TokenHistory, TokenLogprob
 
 
@@ -26,6 +27,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # the model's EOS and end-of-turn ids (generation_config.json)
     arrival_time: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    lora: LoRAAdapter | None = None  # the adapter it runs with (lora.py); kept even if unloaded meanwhile
 
     token_ids: list[int] = field(init=False)  # prompt then output, the confirmed tokens
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -69,6 +71,11 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.token_ids) + len(self.spec_token_ids)
+
+    @property
+    def prefix_salt(self) -> bytes | None:
+        """What its prefix-cache block hashes are keyed by besides the tokens: the adapter's K/V differ."""
+        return None if self.lora is None else self.lora.cache_salt
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -8,6 +8,8 @@ Canary: a configured share of requests (or any request naming the canary model) 
 engine; every metric carries the model name, so the canary is compared with the primary on /metrics.
 A replica is anything with AsyncEngine's `generate`, `load`, `model_name` and `engine`: a
 `DisaggregatedEngine` (disagg.py, prefill and decode pools shipping K/V between them) is one too.
+LoRA adapters (lora.py) are loaded into every primary replica and served as models of their own: a
+request naming one goes to a replica as any other and runs there with the adapter (`AdapterRoute`).
 """
 
 from __future__ import annotations
@@ -61,11 +63,33 @@ class Router:
         return self.replicas + ([self.canary] if self.canary else [])
 
     def model_names(self) -> list[str]:
+        """The base model's, the canary's and every LoRA adapter's name."""
         names = []
         for e in self.engines:
             if e.model_name not in names:
                 names.append(e.model_name)
-        return names
+        return names + self.lora_names()
+
+    # -- LoRA adapters: the same set on every primary replica --------------------------------------
+    def lora_names(self) -> list[str]:
+        return list(self.primary.engine.loras)
+
+    def lora_path(self, name: str) -> str:
+        return self.primary.engine.loras[name].path
+
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Load an adapter into every primary replica (ValueError / FileNotFoundError as LLMEngine.load_lora)."""
+        if any(isinstance(r, DisaggregatedEngine) for r in self.replicas):
+            raise ValueError("LoRA adapters are not served with prefill/decode disaggregation")
+        if name in self.model_names() and name not in self.lora_names():
+            raise ValueError(f"{name!r} is the name of a served model, not available for a LoRA adapter")
+        for r in self.replicas:
+            r.engine.load_lora(name, path, replace=replace)
+
+    def unload_lora(self, name: str) -> None:
+        """LookupError when no adapter has that name."""
+        for r in self.replicas:
+            r.engine.unload_lora(name)
 
     def resolve_model(self, requested: str | None) -> str | None:
         """The model a request names must be served here (None/empty = the primary)."""
@@ -73,7 +97,9 @@ class Router:
             raise LookupError(f"model {requested!r} is not served here; available: {self.model_names()}")
         return requested or None
 
-    def choose(self, prompt_ids: Sequence[int], model: str | None = None) -> Replica:
+    def choose(self, prompt_ids: Sequence[int], model: str | None = None) -> "Replica | AdapterRoute":
+        if model is not None and model in self.primary.engine.loras:
+            return AdapterRoute(self._affine(prompt_ids), model)
         if self.canary is not None and (model == self.canary.model_name and model != self.primary.model_name
                                         or (not model and self._rng.random() < self.config.canary_share)):
             chosen = self.canary
@@ -106,3 +132,22 @@ class Router:
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
+
+
+class AdapterRoute:
+    """A replica as a request naming one of its LoRA adapters sees it: `generate` runs with the adapter,
+    and the served name is the adapter's (what vLLM's responses carry)."""
+
+    def __init__(self, replica: AsyncEngine, lora_name: str):
+        self.replica, self.model_name = replica, lora_name
+
+    @property
+    def engine(self):
+        return self.replica.engine
+
+    @property
+    def load(self) -> int:
+        return self.replica.load
+
+    def generate(self, prompt_ids: Sequence[int], params, request_id: str | None = None):
+        return self.replica.generate(prompt_ids, params, request_id, lora_name=self.model_name)

@@ -5,7 +5,8 @@ tokens to verify), go through a single forward; logits are computed only for the
 them: the last row of a request that reaches its end, the k+1 verification rows of a speculative
 request, and every row of a prompt whose logprobs were asked for. Whichever forward ran (the
 general paged one, or the decode-slot step of `_execute_decodes`), tokens come from one sampling
-path, `_sample`.
+path, `_sample`. Requests that name a LoRA adapter share the forward with the rest: it adds each
+adapter's update to its own rows (lora.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
         if not out.scheduled:
             return {}
-        seqs, rows, plans, slot_ids = [], [], [], []
+        seqs, rows, plans, slot_ids, adapters = [], [], [], [], []
         slots = self.slots
         if slots is not None:
             slots.release_stale()
@@ -63,6 +64,7 @@ class ModelRunner:
             block_ids = self.kv.block_ids(req.request_id)
             seqs.append((block_ids, s.start, toks))
             rows.append(want)
+            adapters.append(req.lora)
             plans.append((s, prompt_rows, n_sample_rows))
             if slots is not None:
                 slot = slots.slot_of.get(req.request_id)
@@ -75,10 +77,11 @@ class ModelRunner:
                 elif slot is None:
                     slot = slots.assign(req, self.cache, block_ids, s.start)
                 slot_ids.append(slot)
+        lora = adapters if any(a is not None for a in adapters) else None
         if slots is not None:
-            logits = run_with_slots(self.model, self.cache, slots, seqs, rows, slot_ids)
+            logits = run_with_slots(self.model, self.cache, slots, seqs, rows, slot_ids, adapters=lora)
         else:
-            logits = run_paged(self.model, self.cache, seqs, rows)
+            logits = run_paged(self.model, self.cache, seqs, rows, adapters=lora)
 
         results: dict[str, StepResult] = {}
         picks: list[Pick] = []
@@ -190,9 +193,10 @@ class ModelRunner:
         if not spec:
             blk = np.fromiter((block_ids(s.request.request_id)[s.start // bs] for _, s in rows), dtype=np.int64, count=n)
             whole = [(s.request.token_ids, block_ids(s.request.request_id)) for s in prompts]
-            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows],
-                                 prompts=whole)
             reqs = [s.request for _, s in rows] + [s.request for s in prompts]
+            tokens = [s.request.token_ids[s.start] for _, s in rows]
+            logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, tokens, prompts=whole,
+                                 adapters=_adapters(reqs))
             picks = [(r, i, [], StepResult(sampled=[])) for i, r in enumerate(reqs)]
             self._sample(logits, picks)
             return {p[0].request_id: p[3] for p in picks}
@@ -204,7 +208,8 @@ class ModelRunner:
             tokens.extend(s.spec_token_ids)
             blk.extend(ids[p // bs] for p in range(s.start, s.start + s.num_new_tokens))
         nq = np.fromiter((s.num_new_tokens for _, s in rows), dtype=np.int64, count=n)
-        logits = run_decodes(self.model, self.cache, slots, sl, pos, np.asarray(blk, dtype=np.int64), tokens, nq)
+        logits = run_decodes(self.model, self.cache, slots, sl, pos, np.asarray(blk, dtype=np.int64), tokens, nq,
+                             adapters=_adapters([s.request for _, s in rows]))
         picks, off = [], 0
         for _, s in rows:
             picks.append((s.request, off, s.spec_token_ids, StepResult(sampled=[])))
@@ -215,3 +220,9 @@ class ModelRunner:
 
 # (request, its first logits row, the draft tokens its rows verify, the result to fill)
 Pick = tuple[Request, int, list[int], StepResult]
+
+
+def _adapters(reqs: list[Request]) -> list | None:
+    """Each request's LoRA adapter, or None when the step is the base model's alone."""
+    adapters = [r.lora for r in reqs]
+    return adapters if any(a is not None for a in adapters) else None

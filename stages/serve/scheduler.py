@@ -157,7 +157,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             blocks, num_cached = ([], 0) if req.wants_prompt_logprobs else \
-                self.kv.get_computed_blocks(req.request_id, req.token_ids)
+                self.kv.get_computed_blocks(req.request_id, req.token_ids, req.prefix_salt)
             num_new = min(req.num_tokens - num_cached, budget)
             extra = lookahead if num_cached + num_new >= req.num_tokens else 0
             if not self.kv.allocate_slots(req.request_id, num_cached + num_new + extra, blocks):
@@ -207,7 +207,7 @@ class Scheduler:
                 req.last_token_time = now
                 if done:
                     finished.append(req)
-            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.prefix_salt)
         for req in finished:
             self.finish_request(req.request_id, req.finish_reason or "stop")
         return finished

@@ -6,7 +6,9 @@ token-id prompts, logprobs with echo for lm-eval's local-completions, n and best
 and a tools list; without max_tokens a chat runs to a stop or the context's end, as vLLM's does),
 both with SSE streaming (logprobs in the chunks, n choices by index) and every vLLM sampling field
 and prompt_logprobs; /tokenize, /detokenize, /v1/models, /v1/models/{id}, /version, /health,
-/metrics (Prometheus, vLLM's names). Bad requests get 400 with a message (a chat the template
+/metrics (Prometheus, vLLM's names). LoRA adapters are models of their own in /v1/models (with
+`parent`), named by requests' `model`; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+when runtime updating is on. Bad requests get 400 with a message (a chat the template
 cannot render too, never a 500), an unknown model 404, a full queue 429, a missing or wrong API
 key 401. A client that goes away has its request aborted, which
 frees its KV blocks. Opt-in request logging appends prompt/completion pairs as JSON lines that the
@@ -19,6 +21,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import os
 import threading
 import time
 import uuid
@@ -31,8 +34,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .async_engine import AsyncEngine, Overloaded
 from .engine import RequestOutput
-from .protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
-                       TokenizeRequest)
+from .protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                       SamplingRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .router import Router
 from .sampling import SamplingParams, TokenLogprob
 
@@ -74,7 +77,11 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(router: Router, api_key: str | None = None, request_log: RequestLog | None = None):
+def build_app(router: Router, api_key: str | None = None, request_log: RequestLog | None = None,
+              runtime_lora_updating: bool = False):
+    """`runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter. Off by
+    default, as in vLLM (which adds them only under VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make the
+    server read any folder a client names."""
     app = FastAPI(title="eightfold serve")
     app.state.router = router
     metrics = router.primary.engine.metrics
@@ -107,13 +114,39 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         return {"version": _version()}
 
     def _card(name: str, created: int) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "eightfold", "root": name,
-                "parent": None, "max_model_len": eng0.max_model_len}
+        # a LoRA adapter's card as vLLM's: root its path, parent the base model it applies to
+        lora = name in router.lora_names()
+        return {"id": name, "object": "model", "created": created, "owned_by": "eightfold",
+                "root": router.lora_path(name) if lora else name,
+                "parent": router.primary.model_name if lora else None, "max_model_len": eng0.max_model_len}
 
     @app.get("/v1/models")
     async def models():
         now = int(time.time())
         return {"object": "list", "data": [_card(n, now) for n in router.model_names()]}
+
+    if runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            """vLLM's endpoint: 200 and a line of text, 400 for a name taken (unless load_inplace) or an
+            adapter the model cannot serve, 404 for a path with no adapter."""
+            try:
+                router.load_lora(body.lora_name, body.lora_path, replace=body.load_inplace)
+            except FileNotFoundError:
+                return _error(404, f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}",
+                              "not_found_error", "lora_path")
+            except ValueError as e:
+                return _error(400, str(e))
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            try:
+                router.unload_lora(body.lora_name)
+            except LookupError:
+                return _error(404, f"The lora adapter '{body.lora_name}' cannot be found.", "not_found_error",
+                              "lora_name")
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -482,10 +515,12 @@ def _version() -> str:
 
 
 def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | None = None,
-                 canary_share: float = 0.0, prefill_replicas: int = 0, **engine_options) -> Router:
+                 canary_share: float = 0.0, prefill_replicas: int = 0, lora_modules: dict[str, str] | None = None,
+                 **engine_options) -> Router:
     """Engines for a checkpoint folder (several replicas share one metrics registry) and an optional canary.
     `prefill_replicas` > 0: prefill/decode disaggregation, the `replicas` engines decode and that many
-    more prefill, all behind one DisaggregatedEngine (disagg.py)."""
+    more prefill, all behind one DisaggregatedEngine (disagg.py). `lora_modules`: name -> PEFT adapter
+    folder, each served under its name (vLLM's --lora-modules)."""
     from .engine import EngineConfig, LLMEngine
     from .metrics import ServeMetrics
     from .router import RouterConfig
@@ -510,13 +545,38 @@ def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | N
         ccfg = EngineConfig.from_options(**{**engine_options, "served_model_name": Path(canary_model_dir).name
                                             if Path(canary_model_dir).name != first.model_name else first.model_name + "-canary"})
         canary = AsyncEngine(LLMEngine(canary_model_dir, ccfg, metrics=metrics))
-    return Router(fronts, canary, RouterConfig(canary_share=canary_share))
+    router = Router(fronts, canary, RouterConfig(canary_share=canary_share))
+    for name, path in (lora_modules or {}).items():
+        router.load_lora(name, path)
+    return router
+
+
+def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """vLLM's --lora-modules values: `name=path`, or JSON {"name": ..., "path": ...}."""
+    out: dict[str, str] = {}
+    for spec in specs or []:
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                name, path = d["name"], d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {spec!r}: JSON needs \"name\" and \"path\"") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {spec!r}: expected NAME=PATH")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                   request_log: str | None = None, replicas: int = 1, canary_model_dir: str | None = None,
-                  canary_share: float = 0.0, prefill_replicas: int = 0, **engine_options) -> int:
-    """`eightfold serve MODEL_DIR`: an OpenAI-compatible server until interrupted. Returns an exit code."""
+                  canary_share: float = 0.0, prefill_replicas: int = 0, lora_modules: list[str] | None = None,
+                  **engine_options) -> int:
+    """`eightfold serve MODEL_DIR`: an OpenAI-compatible server until interrupted. Returns an exit code.
+    The LoRA load/unload endpoints are served when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (vLLM's switch)."""
     import uvicorn
     from rich.console import Console
 
@@ -526,11 +586,14 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
         return 2
     try:
         router = build_router(model_dir, replicas=replicas, canary_model_dir=canary_model_dir,
-                              canary_share=canary_share, prefill_replicas=prefill_replicas, **engine_options)
+                              canary_share=canary_share, prefill_replicas=prefill_replicas,
+                              lora_modules=parse_lora_modules(lora_modules), **engine_options)
     except (ValueError, FileNotFoundError, KeyError) as e:
         console.print(f"[red]cannot start the engine: {e}[/red]")
         return 2
-    app = build_app(router.start(), api_key, RequestLog(request_log) if request_log else None)
+    runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    app = build_app(router.start(), api_key, RequestLog(request_log) if request_log else None,
+                    runtime_lora_updating=runtime_lora)
     e = router.primary.engine
     console.print(f"serving [bold]{e.model_name}[/bold] ({router.model_names()}) at http://{host}:{port}/v1 "
                   f"- {e.kv.pool.num_blocks} KV blocks of {e.config.block_size} tokens, "
@@ -538,6 +601,8 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
                   + (f"forward compiled in {e.compile_seconds:.1f} s; " if e.model.pieces.compiled else "eager; ")
                   + (f"{prefill_replicas} prefill engine(s) shipping K/V to {replicas} decode engine(s); "
                      if prefill_replicas else "")
+                  + (f"LoRA adapters {router.lora_names()}; " if router.lora_names() else "")
+                  + ("LoRA load/unload endpoints on; " if runtime_lora else "")
                   + "metrics at /metrics")
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

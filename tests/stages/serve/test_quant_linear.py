@@ -86,3 +86,66 @@ def test_int4_width_not_a_multiple_of_eight():
     packed = pack_int4(q)
     assert packed.shape == (3, 3)
     assert torch.equal(Int4GroupWeight(packed, s, (3, 20), torch.float32).dequantize(), dequant_int4(q, s))
+
+
+def _w8a8(out_f=48, in_f=256, seed=0, int8_inputs=True):
+    from stages.export.quantize import int8_per_channel
+    from stages.serve.quant_linear import Int8ChannelWeight
+
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, s = int8_per_channel(w)
+    return Int8ChannelWeight(q, s, torch.float32, int8_inputs), w, q, s
+
+
+def test_w8a8_linear_is_the_int8_gemm_and_within_its_error_bound():
+    """F.linear through a W8A8 weight equals the int8 GEMM written out in float64 (inputs rounded per
+    token with scale max|x_row| / 127, vLLM's dynamic scheme; int products summed exactly; scaled by
+    s_x * s_w), and its distance from the float product W x obeys the rounding bound: with
+    |W^ - W| <= s_w / 2 and |x^ - x| <= s_x / 2 elementwise,
+        |y^_i - y_i| <= s_wi / 2 * ||x||_1 + s_x / 2 * ||W_i||_1 + n * s_wi * s_x / 4,
+    plus float32 summation (n * 2^-24 of sum |products|: 1e-4 of it is a wide margin)."""
+    w8, w, q, s = _w8a8()
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    x[3] *= 40  # tokens of very different size: each gets its own scale
+    b = torch.randn(48, generator=torch.Generator().manual_seed(2))
+    got = F.linear(x, w8, b)
+
+    xd = x.double()
+    sx = xd.abs().amax(dim=1, keepdim=True) / 127
+    qx = torch.round(xd / sx).clamp(-128, 127)
+    exact = (qx @ q.double().T) * sx * s.double().T + b.double()
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+    y = xd @ w.double().T + b.double()
+    n = w.shape[1]
+    bound = (s.double().T / 2 * xd.abs().sum(1, keepdim=True) + sx / 2 * w.double().abs().sum(1)
+             + n * s.double().T * sx / 4 + 1e-4 * (xd.abs() @ w.double().abs().T))
+    assert ((got.double() - y).abs() <= bound).all()
+    assert (got.double() - y).abs().max() > 0  # it is quantized
+
+    # weight-only (an int-quantized config without input activations) is the dequantized product
+    wo, *_ = _w8a8(int8_inputs=False)
+    assert torch.equal(F.linear(x, wo), F.linear(x, q.float() * s))
+    # fused q/k/v stay int8 and keep the input scheme; one byte per weight plus a float32 scale per row
+    fused = torch.cat([w8, _w8a8(16, 256, seed=3)[0]])
+    assert fused.shape == (64, 256) and fused.int8_inputs and fused.nbytes == 64 * 256 + 64 * 4
+
+
+def test_int8_inputs_read_from_the_config_and_other_schemes_refused():
+    from stages.export.quantize import quantization_config
+    from stages.serve.quant_linear import Int8ChannelWeight, int8_inputs_of
+
+    conf = quantization_config("int8")
+    assert int8_inputs_of(conf) is True and int8_inputs_of(None) is None
+    assert int8_inputs_of(quantization_config("int4")) is None
+    group = conf["config_groups"]["group_0"]
+    static_inputs = {**group["input_activations"], "strategy": "tensor", "dynamic": False}
+    static = {**conf, "config_groups": {"group_0": {**group, "input_activations": static_inputs}}}
+    with pytest.raises(ValueError, match="'strategy': 'tensor'.*are not served"):
+        int8_inputs_of(static)
+    _, w, q, s = _w8a8()
+    sd = {"model.layers.0.mlp.down_proj.weight": q, "model.layers.0.mlp.down_proj.weight_scale": s}
+    got = take_quantized(sd, torch.float32, conf)
+    assert isinstance(got["model.layers.0.mlp.down_proj.weight"], Int8ChannelWeight) and not sd
+    with pytest.raises(KeyError, match="has no 'model.layers.0.mlp.down_proj.weight_scale'"):
+        take_quantized({"model.layers.0.mlp.down_proj.weight": q}, torch.float32, conf)
