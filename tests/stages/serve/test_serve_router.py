@@ -53,5 +53,5 @@ def test_router_serves_and_labels_metrics_per_model(tiny_hf_model_dir, canary_di
     router.shutdown()
     for model in ("target", "canary-model"):
         line = next(x for x in text.splitlines()
-                    if x.startswith("eightfold_e2e_request_latency_seconds_count") and f'model="{model}"' in x)
+                    if x.startswith("vllm:e2e_request_latency_seconds_count") and f'model_name="{model}"' in x)
         assert float(line.split()[-1]) >= 1
