@@ -138,7 +138,7 @@ def estimated_rank0(cfg: LifecycleConfig, dims) -> tuple[dict, dict]:
         add("dp_shard", comm["dp"] - comm["hsdp"])
         add("dp_replicate", comm["hsdp"])
     elif comm["dp"]:
-        from trainer.parallel.context_parallel import data_context_group
+        from trainer.parallel.mesh import data_context_group
 
         add(names[data_context_group(dims).group_name], comm["dp"])  # dp, cp or dp_cp: who holds the same weights
     for dim in ("tp", "pp", "cp", "ep"):

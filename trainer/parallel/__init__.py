@@ -18,13 +18,13 @@ from infra.config.train import TrainConfig
 from ..precision import cast_parameters
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
-from .context_parallel import apply_context_parallel, data_context_group
+from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .expert_parallel import apply_expert_parallel, register_expert_grad_sync
 from .fsdp import apply_fsdp
 from .layouts import check_supported
 from .materialize import materialize, on_meta
-from .mesh import ParallelDims, build_parallel_dims
+from .mesh import ParallelDims, build_parallel_dims, data_context_group
 from .pipeline import apply_pipeline
 from .tensor_parallel import apply_tensor_parallel
 

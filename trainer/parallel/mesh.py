@@ -4,7 +4,8 @@ Dimension order, outermost to innermost: dp_replicate, dp_shard, pp, cp, tp (see
 group talks, the closer its members must sit": tp innermost on NVLink, dp outermost). Only
 dimensions larger than 1 are built into the mesh (as TorchTitan does), but every name stays
 resolvable: `dims.group("tp")` is None and `dims.size("tp")` is 1 when tp is off. "dp" names the
-whole data-parallel group (dp_replicate x dp_shard). Expert parallel reuses dp x cp ranks (later issue).
+whole data-parallel group (dp_replicate x dp_shard); `data_context_group` the dp x cp ranks that hold
+the same weights and see different tokens. Expert parallel reuses dp x cp ranks (later issue).
 
 Every process group gets `parallel.collective_timeout_s`: init_process_group gives it to the default
 group, and every group made after it (the mesh's dimensions, flattened dimensions, expert groups, the
@@ -97,8 +98,6 @@ class ParallelDims:
             if group is not None:
                 names[group.group_name] = name
         if self.cp > 1 and self.dp > 1:  # gradients and ZeRO-1 under context parallel: the dp x cp group
-            from .context_parallel import data_context_group
-
             names.setdefault(data_context_group(self).group_name, "dp_cp")
         return names
 
@@ -149,6 +148,31 @@ def build_parallel_dims(parallel: ParallelConfig, device_type: str) -> ParallelD
             backend_override=override or None,
         )
     return dims
+
+
+# --- the dp x cp group ---------------------------------------------------------------------------
+_FLAT_GROUPS: dict[tuple[int, tuple[str, ...]], object] = {}
+
+
+def flat_group(dims: ParallelDims, names: tuple[str, ...]):
+    """The process group spanning the mesh dimensions `names` (those of size 1 are skipped), derived
+    from the one DeviceMesh; None when they are all 1."""
+    present = tuple(n for n in names if dims.size(n) > 1 and dims.mesh is not None and n in dims.mesh.mesh_dim_names)
+    if not present:
+        return None
+    if set(present) <= {"dp_replicate", "dp_shard"}:
+        return dims.group("dp")  # the mesh's own dp group (HSDP flattens it once, as "dp")
+    key = (id(dims.mesh), present)
+    if key not in _FLAT_GROUPS:
+        sub = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, "_".join(present))
+        _FLAT_GROUPS[key] = sub.get_group()
+    return _FLAT_GROUPS[key]
+
+
+def data_context_group(dims: ParallelDims):
+    """Ranks that hold the same weights and see different tokens: dp x cp. Gradients are summed and
+    token counts agreed over it."""
+    return flat_group(dims, ("dp_replicate", "dp_shard", "cp"))
 
 
 # --- process groups and their timeout -------------------------------------------------------------
