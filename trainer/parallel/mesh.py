@@ -151,9 +151,6 @@ def build_parallel_dims(parallel: ParallelConfig, device_type: str) -> ParallelD
 
 
 # --- the dp x cp group ---------------------------------------------------------------------------
-_FLAT_GROUPS: dict[tuple[int, tuple[str, ...]], object] = {}
-
-
 def flat_group(dims: ParallelDims, names: tuple[str, ...]):
     """The process group spanning the mesh dimensions `names` (those of size 1 are skipped), derived
     from the one DeviceMesh; None when they are all 1."""
@@ -162,11 +159,13 @@ def flat_group(dims: ParallelDims, names: tuple[str, ...]):
         return None
     if set(present) <= {"dp_replicate", "dp_shard"}:
         return dims.group("dp")  # the mesh's own dp group (HSDP flattens it once, as "dp")
-    key = (id(dims.mesh), present)
-    if key not in _FLAT_GROUPS:
+    # Kept with this mesh's own groups: a cache keyed by id(mesh) could hand a later mesh (same id once
+    # the first is freed, another layout) the first one's group.
+    key = present
+    if key not in dims._groups:
         sub = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, "_".join(present))
-        _FLAT_GROUPS[key] = sub.get_group()
-    return _FLAT_GROUPS[key]
+        dims._groups[key] = sub.get_group()
+    return dims._groups[key]
 
 
 def data_context_group(dims: ParallelDims):
