@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
         apply_compile(model)
     # Pipeline, context and expert parallel (pipeline.py, context_parallel.py, expert_parallel.py).
     data_group = data_context_group(dims)  # dp x cp: same weights, different tokens
-    experts = apply_expert_parallel(model, dims, parallel.ep, data_group) if parallel.ep > 1 else []
+    experts = apply_expert_parallel(model, dims, data_group) if parallel.ep > 1 else []
     if parallel.pp > 1:
         micro = train.global_batch_size // (train.micro_batch_size * dims.dp)
         model = apply_pipeline(model, dims, parallel, train, data_group, micro, device=device)
