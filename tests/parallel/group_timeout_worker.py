@@ -19,7 +19,7 @@ from infra.config import LifecycleConfig
 from infra.config.train import CheckpointConfig
 from infra.store import FileStore
 from trainer.checkpoint import Checkpointer
-from trainer.loop import init_distributed
+from trainer.process_group import init_distributed
 from trainer.parallel.mesh import build_parallel_dims
 
 TIMEOUT_S = 5

@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
                 device: torch.device | None = None, seed: int | None = None) -> nn.Module:
     """Apply, in this order: tensor parallel (+ sequence, vocab parallel), activation checkpointing,
     torch.compile per block, expert parallel, the pipeline cut, context parallel, FSDP2 for ZeRO-2/3
-    and HSDP (in place); then, for a model built on the meta device (trainer.loop.build_model), this
+    and HSDP (in place); then, for a model built on the meta device (trainer.meta_init.build_model), this
     rank's share is allocated on `device` and initialised from `seed` with the whole model's values
     (materialize.py); then DDP for zero=0 (it broadcasts real weights). ZeRO-1 is the optimizer
     (zero1.build_parallel_optimizer). A model already on a device (post-training's loaded base) is
