@@ -17,7 +17,7 @@ def evaluate(model: nn.Module, batches: list[MicroBatch], objective: Objective, 
              device: torch.device, dp_group=None) -> float:
     """Token-weighted mean validation cross-entropy over every rank's batches."""
     if getattr(unwrap(model), "pipeline", None) is not None:
-        from .parallel.pipeline import pipeline_evaluate
+        from .parallel.pipeline_evaluate import pipeline_evaluate
 
         return pipeline_evaluate(unwrap(model), batches, objective, device, precision)
     was_training = model.training

@@ -65,7 +65,7 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
     if getattr(unwrap(model), "pipeline", None) is not None:  # pipeline parallel: the schedule runs the passes
-        from .parallel.pipeline import pipeline_train_step
+        from .parallel.pipeline_step import pipeline_train_step
 
         return pipeline_train_step(unwrap(model), optimizer, micro_batches, objective, cfg, step, device, dp_group,
                                    before_update)

@@ -36,7 +36,7 @@ def run(job_file: str, mode: str, out: Path) -> None:
     model = unwrap(tr.model)
     trace = None
     if mode == "bubble":
-        from trainer.parallel.pipeline import PipelineTrace
+        from trainer.parallel.pipeline_trace import PipelineTrace
 
         trace = PipelineTrace(delay_s=(0.02, 0.04))
         model.pipeline.instrument(trace)
