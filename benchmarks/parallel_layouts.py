@@ -45,8 +45,10 @@ import torch.distributed as dist
 
 from infra.config import LifecycleConfig
 from trainer.data import MicroBatch
-from trainer.loop import LanguageModelling, build_model, train_step, unwrap
-from trainer.loss import moe_layers
+from trainer.meta_init import build_model
+from trainer.objectives import LanguageModelling
+from trainer.parallel.ddp import unwrap
+from trainer.step import train_step
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.comm_accounting import CommCounter
 from trainer.estimate.run import estimate_run
@@ -142,7 +144,7 @@ def estimated_rank0(cfg: LifecycleConfig, dims) -> tuple[dict, dict]:
         add("dp_shard", comm["dp"] - comm["hsdp"])
         add("dp_replicate", comm["hsdp"])
     elif comm["dp"]:
-        from trainer.parallel.context_parallel import data_context_group
+        from trainer.parallel.mesh import data_context_group
 
         add(names[data_context_group(dims).group_name], comm["dp"])  # dp, cp or dp_cp: who holds the same weights
     for dim in ("tp", "pp", "cp", "ep"):
@@ -171,9 +173,8 @@ def measure(name: str, a: argparse.Namespace) -> dict:
         dp_group, objective = context_parallel_setup(dims, objective)
     cpu = torch.device("cpu")
     names = dims.group_names()
-    for m in moe_layers(unwrap(model)):  # expert parallel's groups are its own, not the mesh's
-        if getattr(m, "ep_group", None) is not None:
-            names[m.ep_group.group_name] = "ep"
+    if dims.ep > 1:  # the mesh's ep dimension, which group_names leaves to its ranks' match (dp on ep2)
+        names[dims.group("ep").group_name] = "ep"
 
     def step(i: int) -> None:
         train_step(model, opt, batches(cfg, i, dims.rank("dp"), dims.dp), objective, t, i, cpu, dp_group)

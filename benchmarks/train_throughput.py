@@ -43,7 +43,8 @@ from torch import nn
 from infra.config.model import ModelConfig
 from infra.config.train import TrainConfig
 from trainer.data import MicroBatch
-from trainer.loop import LanguageModelling, train_step
+from trainer.objectives import LanguageModelling
+from trainer.step import train_step
 from trainer.metrics import flops_per_token, measure_peak_flops
 from trainer.model import Transformer
 from trainer.optim import build_optimizer

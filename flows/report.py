@@ -26,7 +26,7 @@ from rich.table import Table
 from infra.config import LifecycleConfig
 from infra.workspace import Workspace
 
-LOSS_KEYS = ("loss", "val_loss")  # what the trainer logs per step (trainer/loop.py)
+LOSS_KEYS = ("loss", "val_loss")  # what the trainer logs per step (trainer/trainer.py)
 NOT_RUN = "not run"
 
 

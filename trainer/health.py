@@ -9,8 +9,8 @@ failed check ends the job before training with a message naming it and the node,
 in `{workdir}/bad-nodes/` that the launching stage reads to keep the node out of later submits (seed:
 "Teams run health checks between jobs, keep spare nodes ready"; stages/pretrain.py, Slurm's exclude
 file). The collective timeout itself is
-`parallel.collective_timeout_s`, on every process group (trainer.loop.init_distributed for the default
-group, trainer/parallel/mesh.py for every group made after it): a hung rank makes its peers'
+`parallel.collective_timeout_s`, on every process group (trainer.process_group.init_distributed for the
+default group, trainer/parallel/mesh.py for every group made after it): a hung rank makes its peers'
 collectives fail after that long, the job exits, and torchrun restarts it.
 
 Heartbeat: each rank rewrites `{workdir}/heartbeat/rank{R}.json` (step, time, pid) after each step.

@@ -30,14 +30,15 @@ from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
 from .lora import apply_lora, merged_state_dict, save_peft
-from .loop import train_step, unwrap
 from .metrics import MetricsSink
 from .model import Transformer
 from .objectives import DirectPreference, GroupRelativePolicy, SupervisedFineTuning
 from .objectives.grpo import rollout_batches
 from .optim import build_optimizer
 from .parallel import build_parallel_dims, parallelize
+from .parallel.ddp import unwrap
 from .parallel.mesh import pick_device
+from .step import train_step
 
 STEPS = ("sft", "dpo", "grpo")
 

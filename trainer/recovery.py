@@ -1,4 +1,4 @@
-"""What a training job does to survive faults, hooked into trainer.loop.Trainer at four points:
+"""What a training job does to survive faults, hooked into trainer.trainer.Trainer at four points:
 `next_batch()` (skip data windows that caused spikes; injected poison), `before_update()` (the spike
 verdict between the backward and the optimizer step, reduced over ranks), `after_step()` (heartbeat,
 skip/rollback/diverged, periodic async checkpoints, injected kills and hangs) and `finish()` (the

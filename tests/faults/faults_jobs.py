@@ -33,7 +33,7 @@ def job(tmp: Path, tokens: Path, name: str, *, dp: int = 1, resume: str = "lates
 
 
 def run_in_process(spec: JobSpec):
-    from trainer.loop import Trainer
+    from trainer.trainer import Trainer
 
     return Trainer(spec).run()
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from infra.config import LifecycleConfig
 from infra.launch.job import JobSpec
-from trainer.loop import Trainer, init_distributed
+from trainer.process_group import init_distributed
+from trainer.trainer import Trainer
 
 
 def run_once(spec: JobSpec) -> None:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from infra.config import LifecycleConfig
 from infra.launch.job import JobSpec
 from trainer.checkpoint import step_dir
-from trainer.loop import Trainer, init_distributed
+from trainer.process_group import init_distributed
+from trainer.trainer import Trainer
 
 
 def main(first_step: int, whole: str, *others: str) -> None:

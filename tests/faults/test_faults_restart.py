@@ -87,7 +87,8 @@ def test_hung_rank_times_out_and_restarts(reference, byte_tokens, tmp_path):
 
 
 def test_dp2_checkpoint_loads_on_one_process(reference, byte_tokens, tmp_path):
-    from trainer.loop import Trainer, unwrap
+    from trainer.parallel.ddp import unwrap
+    from trainer.trainer import Trainer
 
     ref = reference["spec"]
     spec = job(tmp_path, byte_tokens, "one", **STEPS)

@@ -20,7 +20,7 @@ SPIKE = {"min_history": 3, "window": 8, "z_threshold": 20.0, "max_skips": 1, "ma
 
 
 def test_rollback_halves_lr_and_skips_the_poisoned_window(byte_tokens, tmp_path):
-    from trainer.loop import Trainer
+    from trainer.trainer import Trainer
 
     gbs = 8
     spec = job(tmp_path, byte_tokens, "rollback-lr", steps=9, checkpoint={"every": 3}, spike=SPIKE, lr=2e-3,

@@ -19,8 +19,7 @@ from infra.config import LifecycleConfig
 from infra.config.train import CheckpointConfig
 from infra.store import FileStore
 from trainer.checkpoint import Checkpointer
-from trainer.loop import init_distributed
-from trainer.parallel.expert_parallel import expert_groups
+from trainer.process_group import init_distributed
 from trainer.parallel.mesh import build_parallel_dims
 
 TIMEOUT_S = 5
@@ -50,15 +49,15 @@ def meet(store, name: str) -> None:
 
 
 def main(out: Path) -> None:
-    cfg = LifecycleConfig.model_validate({"parallel": {"nproc_per_node": 4, "dp": 2, "tp": 2, "zero": 1,
+    cfg = LifecycleConfig.model_validate({"model": {"moe": {"num_experts": 2}},
+                                          "parallel": {"nproc_per_node": 4, "dp": 2, "tp": 2, "zero": 1, "ep": 2,
                                                        "collective_timeout_s": TIMEOUT_S}})
     init_distributed(cfg)
     rank = dist.get_rank()
     dims = build_parallel_dims(cfg.parallel, "cpu")
     ckpt = Checkpointer(FileStore(out / "store"), CheckpointConfig(), out / "staging", {"world_size": 4})
-    ep_group, _ = expert_groups(dims, 2, dims.group("dp"))
     groups = {"default": dist.group.WORLD, "tp": dims.group("tp"), "dp": dims.group("dp"),
-              "checkpoint": ckpt.group, "ep": ep_group, "flattened": dims.flatten(("tp",), "tp_flat").get_group()}
+              "checkpoint": ckpt.group, "ep": dims.group("ep"), "flattened": dims.flatten(("tp",), "tp_flat").get_group()}
     report = {"timeouts": {name: timeout_s(g) for name, g in groups.items()}, "phases": {}}
     store = dist.distributed_c10d._get_default_store()
     for phase, absent in ABSENT.items():

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from infra.config import load_config
-from trainer.loop import build_model, unwrap
+from trainer.meta_init import build_model
+from trainer.parallel.ddp import unwrap
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.materialize import local_shard
 

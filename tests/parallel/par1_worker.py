@@ -18,7 +18,10 @@ import torch.distributed as dist
 from infra.config import LifecycleConfig
 from trainer.activation_stats import ActivationStats
 from trainer.data import MicroBatch
-from trainer.loop import LanguageModelling, build_model, train_step, unwrap
+from trainer.meta_init import build_model
+from trainer.objectives import LanguageModelling
+from trainer.parallel.ddp import unwrap
+from trainer.step import train_step
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.comm_accounting import CommCounter
 from trainer.parallel.zero1 import build_parallel_optimizer, optimizer_state_bytes

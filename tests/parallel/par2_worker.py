@@ -16,7 +16,10 @@ import torch.distributed as dist
 
 from infra.config import LifecycleConfig
 from infra.launch.job import JobSpec
-from trainer.loop import Trainer, init_distributed, train_step, unwrap
+from trainer.parallel.ddp import unwrap
+from trainer.process_group import init_distributed
+from trainer.step import train_step
+from trainer.trainer import Trainer
 
 
 ACTS_STEP = 1  # the step whose per-layer activation statistics are recorded (trainer/activation_stats.py)
@@ -33,7 +36,7 @@ def run(job_file: str, mode: str, out: Path) -> None:
     model = unwrap(tr.model)
     trace = None
     if mode == "bubble":
-        from trainer.parallel.pipeline import PipelineTrace
+        from trainer.parallel.pipeline_trace import PipelineTrace
 
         trace = PipelineTrace(delay_s=(0.02, 0.04))
         model.pipeline.instrument(trace)

@@ -73,15 +73,15 @@ def test_process_group_args_bind_the_gpu_on_cuda(monkeypatch):
 
 
 def test_init_distributed_passes_them_to_init_process_group(monkeypatch):
-    """The CUDA path of trainer.loop.init_distributed, run without a GPU: what init_process_group gets."""
-    import trainer.loop as loop
+    """The CUDA path of trainer.process_group.init_distributed, run without a GPU: what init_process_group gets."""
+    import trainer.process_group as process_group
 
     calls = []
-    monkeypatch.setattr(loop, "pick_device", lambda backend, device: (torch.device("cuda", 1), "nccl"))
-    monkeypatch.setattr(loop.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(loop.dist, "init_process_group", lambda **kw: calls.append(kw))
-    monkeypatch.setattr(loop, "attempt_store", lambda timeout: None)
+    monkeypatch.setattr(process_group, "pick_device", lambda backend, device: (torch.device("cuda", 1), "nccl"))
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(process_group.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(process_group, "attempt_store", lambda timeout: None)
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = LifecycleConfig.model_validate({"parallel": {"nproc_per_node": 2, "dp": 2, "collective_timeout_s": 9}})
-    loop.init_distributed(cfg)
+    process_group.init_distributed(cfg)
     assert calls == [{"backend": "nccl", "timeout": timedelta(seconds=9), "device_id": torch.device("cuda", 1)}]

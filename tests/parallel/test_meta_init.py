@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from infra.config.model import ModelConfig
-from trainer.loop import build_model
+from trainer.meta_init import build_model
 from trainer.model import Transformer
 from trainer.model.init import fill_initial, initial_std, rows_per_block
 

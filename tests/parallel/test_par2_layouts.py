@@ -24,7 +24,7 @@ from fixtures.trainer_data import VOCAB, byte_tokens  # noqa: F401  (the fixture
 from infra.config import LifecycleConfig
 from infra.launch.job import JobSpec
 from trainer.parallel.context_parallel import tile_counts
-from trainer.parallel.pipeline import bubble_formula, expected_peak_in_flight
+from trainer.parallel.pipeline_formulas import bubble_formula, expected_peak_in_flight
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("par2_worker.py")

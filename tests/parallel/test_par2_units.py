@@ -8,7 +8,8 @@ from infra.config import LifecycleConfig
 from infra.config.model import ModelConfig
 from infra.config.parallel import ParallelConfig
 from trainer.parallel.context_parallel import tile_counts, zigzag_positions, zigzag_shard, zigzag_unshard
-from trainer.parallel.pipeline import bubble_formula, chunk_layer_counts, chunks_of_rank
+from trainer.parallel.pipeline_formulas import bubble_formula
+from trainer.parallel.pipeline_split import chunk_layer_counts, chunks_of_rank
 
 
 def test_zigzag_balances_causal_tiles_and_naive_does_not():

@@ -10,7 +10,9 @@ from fixtures.trainer_data import tiny_config
 from infra.config import LifecycleConfig
 from infra.config.model import MoEConfig
 from trainer.data import PackedLoader
-from trainer.loop import LanguageModelling, build_model, train_step
+from trainer.meta_init import build_model
+from trainer.objectives import LanguageModelling
+from trainer.step import train_step
 from trainer.model.moe import MoE, imbalance
 from trainer.optim import build_optimizer
 

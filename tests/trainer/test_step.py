@@ -9,7 +9,9 @@ import torch
 from fixtures.trainer_data import tiny_config
 from infra.config.model import MoEConfig
 from trainer.data import MicroBatch, PackedLoader
-from trainer.loop import LanguageModelling, build_model, train_step
+from trainer.meta_init import build_model
+from trainer.objectives import LanguageModelling
+from trainer.step import train_step
 from trainer.optim import build_optimizer
 from trainer.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.parallel.compile import apply_compile

@@ -8,7 +8,10 @@ import torch.distributed as dist
 
 from infra.config import LifecycleConfig
 from infra.launch.job import JobSpec
-from trainer.loop import Trainer, init_distributed, train_step, unwrap
+from trainer.parallel.ddp import unwrap
+from trainer.process_group import init_distributed
+from trainer.step import train_step
+from trainer.trainer import Trainer
 
 
 def main(job_file: str, out_file: str) -> None:

@@ -3,7 +3,7 @@
 The mesh is the trainer's (trainer/parallel/mesh.py): ranks ordered dp_replicate, dp_shard, pp, cp, tp,
 tp innermost, so rank = ((((rep * shard + sh) * pp + s) * cp + c) * tp + t); node = rank // nproc_per_node.
 Expert parallelism cuts each dp x cp group (cp fastest) into consecutive blocks of ep ranks
-(trainer/parallel/expert_parallel.expert_groups). A group whose members sit on one node talks over NVLink
+(trainer/parallel/mesh.expert_mesh). A group whose members sit on one node talks over NVLink
 ("about 450 GB/s each way per H100"); one that spans nodes is limited by the network ("about 50 GB/s per
 GPU on 400 Gb/s InfiniBand"): a ring runs at the speed of its slowest hop.
 """

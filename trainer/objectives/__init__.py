@@ -1,12 +1,14 @@
-"""Post-training objectives for the one training loop (trainer/loop.py): each supplies `weight(batch)`
-(its loss units: response tokens, preference pairs, completion tokens) and `loss(model, batch, device)`
-(the summed loss of one micro-batch as a TokenLoss), and keeps the step's extra metrics for
-`pop_metrics()`. sft.py: response-only cross-entropy; dpo.py: DPO/IPO on chosen/rejected pairs;
-grpo.py: group-relative advantages and the clipped policy-gradient loss over rollouts."""
+"""The objectives of the one train step (trainer/step.py): each supplies `weight(batch)` (its loss
+units: target tokens, response tokens, preference pairs, completion tokens) and `loss(model, batch,
+device)` (the summed loss of one micro-batch as a TokenLoss). language_modelling.py: pretraining's
+next-token prediction. Post-training's keep the step's extra metrics for `pop_metrics()`: sft.py:
+response-only cross-entropy; dpo.py: DPO/IPO on chosen/rejected pairs; grpo.py: group-relative
+advantages and the clipped policy-gradient loss over rollouts."""
 
 from .dpo import DirectPreference, PairBatch, dpo_loss, sequence_logps
 from .grpo import GroupRelativePolicy, RolloutBatch, group_advantages, grpo_token_loss
+from .language_modelling import LanguageModelling
 from .sft import SupervisedFineTuning
 
-__all__ = ["DirectPreference", "GroupRelativePolicy", "PairBatch", "RolloutBatch", "SupervisedFineTuning",
-           "dpo_loss", "group_advantages", "grpo_token_loss", "sequence_logps"]
+__all__ = ["DirectPreference", "GroupRelativePolicy", "LanguageModelling", "PairBatch", "RolloutBatch",
+           "SupervisedFineTuning", "dpo_loss", "group_advantages", "grpo_token_loss", "sequence_logps"]

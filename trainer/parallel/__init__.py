@@ -18,13 +18,13 @@ from infra.config.train import TrainConfig
 from ..precision import cast_parameters
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
-from .context_parallel import apply_context_parallel, data_context_group
+from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .expert_parallel import apply_expert_parallel, register_expert_grad_sync
 from .fsdp import apply_fsdp
 from .layouts import check_supported
 from .materialize import materialize, on_meta
-from .mesh import ParallelDims, build_parallel_dims
+from .mesh import ParallelDims, build_parallel_dims, data_context_group
 from .pipeline import apply_pipeline
 from .tensor_parallel import apply_tensor_parallel, keep_grads_in_param_layout
 
@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
                 device: torch.device | None = None, seed: int | None = None) -> nn.Module:
     """Apply, in this order: tensor parallel (+ sequence, vocab parallel), activation checkpointing,
     torch.compile per block, expert parallel, the pipeline cut, context parallel, FSDP2 for ZeRO-2/3
-    and HSDP (in place); then, for a model built on the meta device (trainer.loop.build_model), this
+    and HSDP (in place); then, for a model built on the meta device (trainer.meta_init.build_model), this
     rank's share is allocated on `device` and initialised from `seed` with the whole model's values
     (materialize.py); then DDP for zero=0 (it broadcasts real weights). ZeRO-1 is the optimizer
     (zero1.build_parallel_optimizer). A model already on a device (post-training's loaded base) is
@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
         apply_compile(model)
     # Pipeline, context and expert parallel (pipeline.py, context_parallel.py, expert_parallel.py).
     data_group = data_context_group(dims)  # dp x cp: same weights, different tokens
-    experts = apply_expert_parallel(model, dims, parallel.ep, data_group) if parallel.ep > 1 else []
+    experts = apply_expert_parallel(model, dims, data_group) if parallel.ep > 1 else []
     if parallel.pp > 1:
         micro = train.global_batch_size // (train.micro_batch_size * dims.dp)
         model = apply_pipeline(model, dims, parallel, train, data_group, micro, device=device)

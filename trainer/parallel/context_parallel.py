@@ -34,7 +34,7 @@ from torch import nn
 
 from ..data import MicroBatch
 from ..model.transformer import compute_dtype
-from .mesh import ParallelDims
+from .mesh import ParallelDims, data_context_group
 
 # ------------------------------------------------------------------------------------- zigzag layout
 
@@ -362,32 +362,6 @@ class ContextParallelObjective:
 
     def __getattr__(self, name):  # z_loss and friends
         return getattr(self.inner, name)
-
-
-# ------------------------------------------------------------------------------- the dp x cp group
-
-_FLAT_GROUPS: dict[tuple[int, tuple[str, ...]], object] = {}
-
-
-def flat_group(dims: ParallelDims, names: tuple[str, ...]):
-    """The process group spanning the mesh dimensions `names` (those of size 1 are skipped), derived
-    from the one DeviceMesh; None when they are all 1."""
-    present = tuple(n for n in names if dims.size(n) > 1 and dims.mesh is not None and n in dims.mesh.mesh_dim_names)
-    if not present:
-        return None
-    if set(present) <= {"dp_replicate", "dp_shard"}:
-        return dims.group("dp")  # the mesh's own dp group (HSDP flattens it once, as "dp")
-    key = (id(dims.mesh), present)
-    if key not in _FLAT_GROUPS:
-        sub = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, "_".join(present))
-        _FLAT_GROUPS[key] = sub.get_group()
-    return _FLAT_GROUPS[key]
-
-
-def data_context_group(dims: ParallelDims):
-    """Ranks that hold the same weights and see different tokens: dp x cp. Gradients are summed and
-    token counts agreed over it."""
-    return flat_group(dims, ("dp_replicate", "dp_shard", "cp"))
 
 
 def context_parallel_setup(dims: ParallelDims, objective):

@@ -22,7 +22,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float, group=None
     if dims.device_type == "cuda":
         device_ids = [next(model.parameters()).device.index]
     # Buffers are synced once at init, not every forward: the MoE routing bias stays identical on all
-    # ranks because each rank applies the same all-reduced loads (trainer.loop.train_step).
+    # ranks because each rank applies the same all-reduced loads (trainer.step.train_step).
     kwargs = {"forward_sync_buffers": False}
     if "forward_sync_buffers" not in inspect.signature(DistributedDataParallel.__init__).parameters:
         kwargs = {"broadcast_buffers": False}  # older torch
@@ -36,3 +36,8 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, bucket_mb: float, group=None
         gradient_as_bucket_view=True,
         **kwargs,
     )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside the DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

@@ -13,7 +13,8 @@ capacity rows per rank, which is what `eightfold estimate` counts exactly.
 Gradients: the router, attention and every dense weight are replicated over dp x cp and synced by
 data parallel as usual; an expert's weights live on one rank of each ep group, so they are left out
 of the data-parallel all-reduce and summed only over the ranks that replicate that expert (the same
-position in the other ep groups), see `apply_expert_parallel`.
+position in the other ep groups), see `apply_expert_parallel`. Both groups are dimensions of the one
+mesh, cut from its dp x cp ranks (mesh.expert_mesh).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.moe import MoE
-from .mesh import ParallelDims, new_group
+from .mesh import ParallelDims
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -152,46 +153,15 @@ def register_expert_grad_sync(model: nn.Module) -> None:
                 p.register_hook(sync)
 
 
-def expert_groups(dims: ParallelDims, ep: int, data_group) -> tuple[object, object | None]:
-    """(ep group, expert replica group) of this rank. The data group's ranks (dp x cp, for every
-    pp/tp coordinate) are cut into consecutive blocks of `ep`: a block is an ep group; the ranks at
-    the same place in every block hold the same experts. Every rank creates every group, in the
-    same order, as new_group requires."""
-    me = dist.get_rank()
-    mine: list = [None, None]
-    data_ranks = dist.get_process_group_ranks(data_group)
-    all_data = [data_ranks] if dims.mesh is None else _all_data_groups(dims, len(data_ranks))
-    for ranks in all_data:
-        blocks = [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
-        for block in blocks:
-            g = new_group(block)
-            if me in block:
-                mine[0] = g
-        if len(blocks) > 1:
-            for j in range(ep):
-                column = [b[j] for b in blocks]
-                g = new_group(column)
-                if me in column:
-                    mine[1] = g
-    return mine[0], mine[1]
-
-
-def _all_data_groups(dims: ParallelDims, size: int) -> list[list[int]]:
-    """Every dp x cp group of the mesh, as lists of global ranks (one per pp/tp coordinate)."""
-    names = list(dims.mesh.mesh_dim_names)
-    data = [i for i, n in enumerate(names) if n in ("dp_replicate", "dp_shard", "cp")]
-    other = [i for i in range(len(names)) if i not in data]
-    grid = dims.mesh.mesh.permute(*other, *data).reshape(-1, size)
-    return [row.tolist() for row in grid]
-
-
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, ep: int, data_group) -> list[str]:
-    """Shard every MoE layer's experts over ep ranks; returns the names of the expert parameters,
-    which data parallel must leave alone. Their gradient hooks come later (register_expert_grad_sync)."""
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, data_group) -> list[str]:
+    """Shard every MoE layer's experts over the mesh's ep ranks (mesh.expert_mesh); returns the names of
+    the expert parameters, which data parallel must leave alone. Their gradient hooks come later
+    (register_expert_grad_sync)."""
+    ep = dims.ep
     if data_group is None or dist.get_world_size(data_group) % ep:
         raise ValueError(f"parallel.ep={ep} must divide the data-parallel x cp ranks "
                          f"({0 if data_group is None else dist.get_world_size(data_group)})")
-    group, replicas = expert_groups(dims, ep, data_group)
+    group, replicas = dims.group("ep"), dims.group("ep_replica")
     data_size = dist.get_world_size(data_group)
     names = []
     for name, m in model.named_modules():

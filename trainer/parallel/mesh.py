@@ -4,7 +4,9 @@ Dimension order, outermost to innermost: dp_replicate, dp_shard, pp, cp, tp (see
 group talks, the closer its members must sit": tp innermost on NVLink, dp outermost). Only
 dimensions larger than 1 are built into the mesh (as TorchTitan does), but every name stays
 resolvable: `dims.group("tp")` is None and `dims.size("tp")` is 1 when tp is off. "dp" names the
-whole data-parallel group (dp_replicate x dp_shard). Expert parallel reuses dp x cp ranks (later issue).
+whole data-parallel group (dp_replicate x dp_shard); `data_context_group` the dp x cp ranks that hold
+the same weights and see different tokens. Expert parallel reuses those ranks: "ep" and "ep_replica"
+are dimensions cut from them (`expert_mesh`).
 
 Every process group gets `parallel.collective_timeout_s`: init_process_group gives it to the default
 group, and every group made after it (the mesh's dimensions, flattened dimensions, expert groups, the
@@ -50,8 +52,10 @@ class ParallelDims:
     def size(self, name: str) -> int:
         if name == "dp":
             return self.dp
+        if name == "ep_replica":  # ranks holding the same experts: the dp x cp ranks over ep
+            return self.dp * self.cp // self.ep
         if name not in ORDER + ("ep",):
-            raise KeyError(f"unknown mesh dimension {name!r}; known: dp, {', '.join(ORDER)}, ep")
+            raise KeyError(f"unknown mesh dimension {name!r}; known: dp, {', '.join(ORDER)}, ep, ep_replica")
         return getattr(self, name)
 
     def group(self, name: str):
@@ -59,7 +63,11 @@ class ParallelDims:
         if self.size(name) == 1:
             return None
         if name not in self._groups:
-            if name == "dp" and self.dp_replicate > 1 and self.dp_shard > 1:
+            if name in ("ep", "ep_replica"):
+                experts = expert_mesh(self)
+                for n in experts.mesh_dim_names:
+                    self._groups[n] = experts[n].get_group()
+            elif name == "dp" and self.dp_replicate > 1 and self.dp_shard > 1:
                 self._groups[name] = self.flatten(("dp_replicate", "dp_shard"), "dp").get_group()
             elif name == "dp":
                 self._groups[name] = self.mesh["dp_replicate" if self.dp_replicate > 1 else "dp_shard"].get_group()
@@ -97,8 +105,6 @@ class ParallelDims:
             if group is not None:
                 names[group.group_name] = name
         if self.cp > 1 and self.dp > 1:  # gradients and ZeRO-1 under context parallel: the dp x cp group
-            from .context_parallel import data_context_group
-
             names.setdefault(data_context_group(self).group_name, "dp_cp")
         return names
 
@@ -149,6 +155,45 @@ def build_parallel_dims(parallel: ParallelConfig, device_type: str) -> ParallelD
             backend_override=override or None,
         )
     return dims
+
+
+# --- the dp x cp group ---------------------------------------------------------------------------
+def flat_group(dims: ParallelDims, names: tuple[str, ...]):
+    """The process group spanning the mesh dimensions `names` (those of size 1 are skipped), derived
+    from the one DeviceMesh; None when they are all 1."""
+    present = tuple(n for n in names if dims.size(n) > 1 and dims.mesh is not None and n in dims.mesh.mesh_dim_names)
+    if not present:
+        return None
+    if set(present) <= {"dp_replicate", "dp_shard"}:
+        return dims.group("dp")  # the mesh's own dp group (HSDP flattens it once, as "dp")
+    # Kept with this mesh's own groups: a cache keyed by id(mesh) could hand a later mesh (same id once
+    # the first is freed, another layout) the first one's group.
+    key = present
+    if key not in dims._groups:
+        sub = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, "_".join(present))
+        dims._groups[key] = sub.get_group()
+    return dims._groups[key]
+
+
+def data_context_group(dims: ParallelDims):
+    """Ranks that hold the same weights and see different tokens: dp x cp. Gradients are summed and
+    token counts agreed over it."""
+    return flat_group(dims, ("dp_replicate", "dp_shard", "cp"))
+
+
+def expert_mesh(dims: ParallelDims):
+    """Expert parallel's dimensions, cut from the mesh's dp x cp ranks (the ranks of `data_context_group`,
+    in mesh order): "ep", consecutive blocks of `ep` ranks that share out the experts, and, when there
+    is more than one block, "ep_replica", the ranks at the same place in every block, which hold the
+    same experts. Both get the collective timeout."""
+    present = tuple(n for n in ("dp_replicate", "dp_shard", "cp") if n in dims.mesh.mesh_dim_names)
+    name = "dp" if set(present) == {"dp_replicate", "dp_shard"} else "_".join(present)  # as group("dp") names it
+    data = dims.mesh[present[0]] if len(present) == 1 else dims.flatten(present, name)
+    replicas = data.size() // dims.ep
+    if replicas > 1:
+        return data._unflatten(0, (replicas, dims.ep), ("ep_replica", "ep"),
+                               backend_override={"ep_replica": group_options(), "ep": group_options()})
+    return data._unflatten(0, (dims.ep,), ("ep",), backend_override={"ep": group_options()})
 
 
 # --- process groups and their timeout -------------------------------------------------------------

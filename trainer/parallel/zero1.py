@@ -46,7 +46,7 @@ from torch import nn
 from infra.config.train import TrainConfig
 
 from .grad_ready import GradReadiness
-from .mesh import ParallelDims
+from .mesh import ParallelDims, data_context_group
 from .param_ready import register_param_waits
 
 
@@ -102,8 +102,6 @@ class DistributedOptimizer:
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, dims: ParallelDims, bucket_mb: float, group=None,
                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = True):
-        from .context_parallel import data_context_group
-
         self.group = group if group is not None else data_context_group(dims)  # dp (x cp)
         if self.group is None:
             raise ValueError("ZeRO-1 needs a data-parallel (x cp) group of more than one rank")

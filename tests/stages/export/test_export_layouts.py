@@ -67,7 +67,7 @@ def layouts(byte_tokens, tmp_path_factory):  # noqa: F811
                            str(WORKER), *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
-    from trainer.loop import Trainer
+    from trainer.trainer import Trainer
 
     refs = {}
     threads = torch.get_num_threads()
@@ -86,7 +86,7 @@ def layouts(byte_tokens, tmp_path_factory):  # noqa: F811
 def test_layout_checkpoint_exports_like_one_process(layouts, name):
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import build_model
+    from trainer.meta_init import build_model
 
     tmp, jobs, refs = layouts
     ref_job = refs["moe" if jobs[name].config["model"].get("moe") else "dense"]
