@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 from infra.config import LifecycleConfig
 from trainer.data import MicroBatch
-from trainer.loop import LanguageModelling, build_model, train_step
+from trainer.meta_init import build_model
+from trainer.objectives import LanguageModelling
+from trainer.step import train_step
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.zero1 import build_parallel_optimizer
 
