@@ -28,6 +28,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, TokenLogprob, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import DraftModelProposer, NgramProposer
+from .structured_output import GrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class LLMEngine:
             draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
+        self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self.metrics = metrics or ServeMetrics()
         self.metrics.running.set_function(lambda: len(self.scheduler.running), model=self.model_name)
         self.metrics.waiting.set_function(lambda: len(self.scheduler.waiting), model=self.model_name)
@@ -280,6 +282,14 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
             )
+        if params.structured_output is not None:  # an invalid schema, regex or grammar fails here
+            self.grammar_backend().compile(params.structured_output)
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this engine's vocabulary (structured_output.py)."""
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model.shape.vocab_size)
+        return self._grammar_backend
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False) -> str:
@@ -294,8 +304,13 @@ class LLMEngine:
     def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> Request:
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        return Request(request_id, ids, params, eos_token_id=self.eos_token_id,
-                       generator=make_generator(params, self.model.device))
+        req = Request(request_id, ids, params, eos_token_id=self.eos_token_id,
+                      generator=make_generator(params, self.model.device))
+        if params.structured_output is not None:
+            # the grammar's end must be followed by a token that ends the request: EOS or a stop token
+            stops = [t for t in (self.eos_token_id, *params.stop_token_ids) if t is not None]
+            req.grammar = self.grammar_backend().matcher(params.structured_output, stops)
+        return req
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.add_request(req)

@@ -3,7 +3,9 @@
 All requests of the step, whatever their phase (a prefill chunk, a decode, a decode with k draft
 tokens to verify), go through a single forward; logits are computed only for the rows that need
 them: the last row of a request that reaches its end, the k+1 verification rows of a speculative
-request, and every row of a prompt whose logprobs were asked for.
+request, and every row of a prompt whose logprobs were asked for. The rows of requests whose output
+is constrained by a grammar are masked to it before anything samples from them
+(structured_output.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .model import KVCacheTensors, PagedLlama, run_paged
 from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
 from .scheduler import SchedulerOutput, StepResult
 from .speculative import accept_greedy, rejection_sample
+from .structured_output import GrammarBitmask
 
 
 class ModelRunner:
@@ -27,11 +30,19 @@ class ModelRunner:
         self.kv = kv
         self.slots = slots  # 1-token decodes attend over contiguous rows (decode_slots.py) when set
         self.sampler = Sampler()
+        self._bitmask: GrammarBitmask | None = None  # built by the first constrained request
+
+    def mask_to_grammars(self, logits: torch.Tensor, rows: list[tuple[int, object, list[int]]]) -> None:
+        """Mask in place the sampled rows of constrained requests: (first row, request, drafts)."""
+        if self._bitmask is None:
+            self._bitmask = GrammarBitmask(self.model.shape.vocab_size)
+        self._bitmask.apply(logits, rows)
 
     def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
         if not out.scheduled:
             return {}
         seqs, rows, plans, slot_ids = [], [], [], []
+        constrained, num_rows = [], 0  # (first sampled row, request, drafts) of grammar-bound requests
         slots = self.slots
         if slots is not None:
             slots.release_stale()
@@ -57,6 +68,9 @@ class ModelRunner:
                 first = req.num_tokens - 1 - s.start
                 n_sample_rows = s.num_new_tokens - first
                 want.extend(range(first, s.num_new_tokens))
+                if req.grammar is not None:
+                    constrained.append((num_rows + len(prompt_rows), req, s.spec_token_ids))
+            num_rows += len(want)
             block_ids = self.kv.block_ids(req.request_id)
             seqs.append((block_ids, s.start, toks))
             rows.append(want)
@@ -76,6 +90,8 @@ class ModelRunner:
             logits = run_with_slots(self.model, self.cache, slots, seqs, rows, slot_ids)
         else:
             logits = run_paged(self.model, self.cache, seqs, rows)
+        if constrained:
+            self.mask_to_grammars(logits, constrained)
 
         results: dict[str, StepResult] = {}
         plain_rows, plain_reqs = [], []
@@ -172,6 +188,9 @@ class ModelRunner:
             logits = run_decodes(self.model, self.cache, slots, sl, pos, blk, [s.request.token_ids[s.start] for _, s in rows],
                                  prompts=whole)
             reqs = [s.request for _, s in rows] + [s.request for s in prompts]
+            constrained = [(i, r, []) for i, r in enumerate(reqs) if r.grammar is not None]
+            if constrained:
+                self.mask_to_grammars(logits, constrained)
             toks = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])  # all greedy: one argmax
             return {r.request_id: StepResult(sampled=[t]) for r, t in zip(reqs, toks)}
         # decodes verifying draft tokens: rows [last confirmed token, drafts...] per request
@@ -183,6 +202,13 @@ class ModelRunner:
             blk.extend(ids[p // bs] for p in range(s.start, s.start + s.num_new_tokens))
         nq = np.fromiter((s.num_new_tokens for _, s in rows), dtype=np.int64, count=n)
         logits = run_decodes(self.model, self.cache, slots, sl, pos, np.asarray(blk, dtype=np.int64), tokens, nq)
+        constrained, off = [], 0
+        for _, s in rows:
+            if s.request.grammar is not None:
+                constrained.append((off, s.request, s.spec_token_ids))
+            off += s.num_new_tokens
+        if constrained:
+            self.mask_to_grammars(logits, constrained)
         greedy = greedy_tokens(logits) if any(s.request.params.greedy for _, s in rows) else None
         results, off = {}, 0
         for _, s in rows:
