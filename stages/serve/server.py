@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
 /v1/completions (text or token-id prompts, logprobs with echo for lm-eval's local-completions),
-/v1/chat/completions (the tokenizer's chat template), both with SSE streaming; /v1/models,
+/v1/chat/completions (the tokenizer's chat template), both with SSE streaming and with structured
+outputs (response_format, structured_outputs, guided_*) and, on chat, tool calls
+(structured_requests.py); /v1/models,
 /health, /metrics (Prometheus). Bad requests get 400 with a message, an unknown model 404, a full
 queue 429, a missing or wrong API key 401. A client that goes away has its request aborted, which
 frees its KV blocks. Opt-in request logging appends prompt/completion pairs as JSON lines that the
@@ -28,9 +30,11 @@ from .async_engine import AsyncEngine, Overloaded
 from .engine import RequestOutput
 from .router import Router
 from .sampling import SamplingParams, TokenLogprob
+from .structured_requests import (StructuredOutputFields, ToolFields, assistant_message, chat_finish_reason,
+                                  stream_delta, structured_output_of, tool_parser_for)
 
 
-class _Common(BaseModel):
+class _Common(StructuredOutputFields):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -66,7 +70,7 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatRequest(_Common):
+class ChatRequest(_Common, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -149,7 +153,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             max_tokens=16 if max_tokens is None else max_tokens,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
             stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output_of(body),
         )
 
     async def _run(request: Request, engine: AsyncEngine, ids: list[int], params: SamplingParams) -> RequestOutput:
@@ -256,8 +260,9 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
     async def chat(body: ChatRequest, request: Request):
         try:
             eng0 = router.primary.engine
-            text = eng0.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                       add_generation_prompt=True)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = eng0.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tools=tools,
+                                                       tokenize=False, add_generation_prompt=True)
             ids = eng0.encode(text)
             top = (body.top_logprobs or 0) if body.logprobs else None
             params = _params(body, body.max_completion_tokens or body.max_tokens, top, None)
@@ -271,7 +276,8 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         created = int(time.time())
         if body.stream:
             return await _stream(request, eng, ids, params, rid, created, chat=True,
-                                 include_usage=bool((body.stream_options or {}).get("include_usage")), prompt_text=text)
+                                 include_usage=bool((body.stream_options or {}).get("include_usage")), prompt_text=text,
+                                 tool_parser=tool_parser_for(body))
         try:
             out = await _run(request, eng, ids, params)
         except Overloaded as e:
@@ -287,14 +293,14 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             request_log.write(prompt=text, completion=out.text, model=eng.model_name, endpoint="chat",
                               messages=[m.model_dump() for m in body.messages], finish_reason=out.finish_reason,
                               created=created)
+        message, finish_reason = assistant_message(body, out.text, out.finish_reason)
         return {"id": rid, "object": "chat.completion", "created": created, "model": eng.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": lp, "finish_reason": out.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
                           "total_tokens": len(ids) + len(out.token_ids)}}
 
     async def _stream(request, eng: AsyncEngine, ids, params, rid, created, chat: bool, include_usage: bool,
-                      echo_text: str | None = None, prompt_text: str | None = None):
+                      echo_text: str | None = None, prompt_text: str | None = None, tool_parser=None):
         gen = eng.generate(ids, params)
         try:
             first = await gen.__anext__()  # surfaces 429 / errors before the 200 is sent
@@ -309,12 +315,14 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         head = 'data: {"id": %s, "object": %s, "created": %d, "model": %s, "choices": [{"index": 0, ' % (
             json.dumps(rid), json.dumps(obj), created, json.dumps(eng.model_name))
 
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False, tool_calls: list | None = None) -> str:
             fin = json.dumps(finish)
             if chat:
                 delta: dict = {"role": "assistant"} if role else {}
                 if delta_text is not None:
                     delta["content"] = delta_text
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 body = f'"delta": {json.dumps(delta)}, "logprobs": null, "finish_reason": {fin}'
             else:
                 body = f'"text": {json.dumps(delta_text or "")}, "logprobs": null, "finish_reason": {fin}'
@@ -330,7 +338,13 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
                 out = first
                 while out is not None:
                     last = out
-                    if out.delta_text or out.finished:
+                    if tool_parser is not None:  # content and tool calls parsed apart (tools.py)
+                        content, calls = stream_delta(tool_parser, out.delta_text, out.finished)
+                        if content or calls or out.finished:
+                            yield chunk(content if content or not calls else None,
+                                        chat_finish_reason(tool_parser, out.finish_reason) if out.finished else None,
+                                        tool_calls=calls)
+                    elif out.delta_text or out.finished:
                         yield chunk(out.delta_text, out.finish_reason if out.finished else None)
                     if out.finished:
                         break
