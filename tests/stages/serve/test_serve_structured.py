@@ -338,21 +338,3 @@ def test_bitmask_rows_for_drafts_follow_the_grammar(plain_engine):
     GrammarBitmask(vocab).apply(again, [(0, Req, [])])  # rolled back: the first row's mask again
     assert set(torch.nonzero(again[0] > float("-inf")).flatten().tolist()) == allowed[0]
 
-
-@pytest.mark.slow
-def test_compiled_decode_step_masks_like_the_eager_one(plain_engine, tiny_hf_model_dir):
-    """`eightfold serve` compiles the all-decode step: its logits are masked the same way, in steps
-    with drafts to verify (n-gram) and without, and no grammar makes it recompile."""
-    import torch._dynamo
-
-    prompts = [f"Item {i} as JSON:" for i in range(4)]
-    want = [o.token_ids for o in plain_engine.generate(prompts, _grammar_params(4))]
-    compiled = LLMEngine(tiny_hf_model_dir, EngineConfig(num_kv_blocks=256, max_num_seqs=8, enforce_eager=False,
-                                                         speculative="ngram", num_speculative_tokens=3))
-    pieces = compiled.model.pieces
-    warm_calls = pieces.num_calls
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got = [o.token_ids for o in compiled.generate(prompts, _grammar_params(4))]
-    assert compiled.model.pieces is pieces and pieces.num_calls > warm_calls + 5, "no step ran compiled"
-    assert compiled.metrics.spec_accepted.value(model=compiled.model_name) > 0
-    assert got == want
