@@ -19,10 +19,11 @@ request is done), and reports `baseline_output_tokens_per_s` and `ratio` for eac
 alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate and whether
 the greedy outputs are identical.
 
-`--json-schema` sends every request of the load a second time in each round with
-`response_format` json_schema (`JSON_SCHEMA`, a list of records whose minItems outlasts any
-output length, so each request still runs to its own output length: only the grammar's cost
-differs) and reports that load's output tokens/s over the plain load's in the same round.
+`--json-schema` sends a second load in each round, of the same prompt and output lengths (prompts
+from elsewhere in the corpus, so no prefix-cache head start), with `response_format` json_schema
+(`JSON_SCHEMA`, a list of records whose minItems outlasts any output length, so each request still
+runs to its own output length: only the grammar's cost differs), and reports that load's output
+tokens/s over the plain load's in the same round.
 """
 
 from __future__ import annotations
@@ -99,6 +100,20 @@ def make_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, 
         start = rng.randrange(0, len(corpus) - n_in)
         reqs.append(BenchRequest(corpus[start:start + n_in], n_out))
     return reqs
+
+
+def same_shape_requests(tokenizer, reqs: list[BenchRequest], seed: int) -> list[BenchRequest]:
+    """Requests of the same prompt and output lengths as `reqs`, their prompts cut from elsewhere in
+    the corpus: a second load on them finds nothing of the first in the prefix cache."""
+    from .testing import _stdlib_text
+
+    rng = random.Random(seed)
+    corpus = tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+    out = []
+    for r in reqs:
+        start = rng.randrange(0, len(corpus) - len(r.prompt_ids))
+        out.append(BenchRequest(corpus[start:start + len(r.prompt_ids)], r.output_len))
+    return out
 
 
 async def _one(session, url: str, model: str, req: BenchRequest, extra: dict | None = None) -> RequestTiming:
@@ -506,8 +521,9 @@ def bench_serve_command(
             if json_schema:  # the same requests again, constrained (the grammar's cost: the ratio of the two)
                 extra = {"response_format": {"type": "json_schema",
                                              "json_schema": {"name": "symbols", "schema": JSON_SCHEMA}}}
-                asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed, extra))  # warm-up: compile it
-                r["serve_json"] = summarize(*asyncio.run(run_load(url, model, reqs, concurrency, request_rate,
+                jreqs = same_shape_requests(tokenizer, reqs, seed + 1000 + rnd)  # no prefix-cache head start
+                asyncio.run(run_load(url, model, jreqs[-2:], 2, float("inf"), seed, extra))  # warm-up: compile it
+                r["serve_json"] = summarize(*asyncio.run(run_load(url, model, jreqs, concurrency, request_rate,
                                                                   seed, extra)), slos)
             if model_dir is not None and in_process:
                 r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options), slos)
@@ -544,7 +560,7 @@ def bench_serve_command(
         jsum = median_round("serve_json")
         ratios = [r["serve_json"]["output_tokens_per_s"] / r["serve"]["output_tokens_per_s"] for r in rounds_out]
         emit({"figure": "serve_json_schema", "model": model, "concurrency": concurrency,
-              "workload": "the served load again, each request with response_format json_schema (bench.JSON_SCHEMA)",
+              "workload": "the served load's prompt and output lengths, each request with response_format json_schema (bench.JSON_SCHEMA)",
               **{k: jsum[k] for k in ("completed", "failed", "errors", "duration_s", "output_tokens",
                                       "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms")},
               "plain_output_tokens": summary["output_tokens"],
