@@ -310,7 +310,7 @@ def test_speculative_decoding_keeps_the_grammar_and_greedy_output(kind, plain_en
         assert o.finish_reason == "stop"
         jsonschema.validate(_strict_json(o.text), schema)
     m = spec.metrics
-    assert m.spec_proposed.value(model=spec.model_name) > 0 and m.spec_accepted.value(model=spec.model_name) > 0
+    assert m.spec_proposed.value(model_name=spec.model_name) > 0 and m.spec_accepted.value(model_name=spec.model_name) > 0
 
 
 def test_bitmask_rows_for_drafts_follow_the_grammar(plain_engine):
