@@ -372,7 +372,7 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
             outs, s, cpu = run(eng)
             reps.append((plain_s, s, plain_cpu, cpu, outs == plain))
         m = eng.metrics
-        prop, acc = m.spec_proposed.value(model=eng.model_name), m.spec_accepted.value(model=eng.model_name)
+        prop, acc = m.spec_proposed.value(model_name=eng.model_name), m.spec_accepted.value(model_name=eng.model_name)
         ratios = [p / x for p, x, _, _, _ in reps]
         cpu_ratios = [p / x for _, _, p, x, _ in reps]
         mid = sorted(range(len(reps)), key=lambda i: ratios[i])[len(reps) // 2]
