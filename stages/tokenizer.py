@@ -29,15 +29,16 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, *ROLE_TOKENS]  # ids 0..6, in this order
 # of OpenAI's chat API render onto the three role tokens the model is trained with: a developer message
 # (OpenAI's newer name for the system message) is a system turn, a tool result is a user turn wrapped in
 # <tool_response> (Qwen2.5's convention), an assistant's tool calls follow its text as
-# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the Hermes format vLLM's `hermes` tool parser
-# reads), and a `tools` list is a first system turn holding each function's JSON schema. Content may be a
-# string or a list of text parts (joined by newlines, as vLLM joins them for a string template); anything
-# else raises, naming what it cannot render.
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> blocks separated by newlines (the Hermes
+# format vLLM's `hermes` tool parser reads; exactly what stages/serve/tools.py's render_tool_call writes,
+# its grammar forces and its parser reads back), and a `tools` list is a first system turn holding each
+# function's JSON schema. Content may be a string or a list of text parts (joined by newlines, as vLLM
+# joins them for a string template); anything else raises, naming what it cannot render.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}"
-    "{{ '<|system|>\\n# Tools\\nTo call a function, reply with <tool_call>{\"name\": <function name>, "
-    "\"arguments\": <JSON object>}</tool_call> for each call. The functions:\\n' }}"
+    "{{ '<|system|>\\n# Tools\\nTo call a function, reply with <tool_call>\\n{\"name\": <function name>, "
+    "\"arguments\": <JSON object>}\\n</tool_call> for each call. The functions:\\n' }}"
     "{% for tool in tools %}"
     "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
     "{% endfor %}"
@@ -64,9 +65,10 @@ CHAT_TEMPLATE = (
     "{% for call in message['tool_calls'] or [] %}"
     "{% set fn = call['function'] if call['function'] is defined else call %}"
     "{% if fn['name'] is not string %}{{ raise_exception('a tool call needs a function name') }}{% endif %}"
-    "{{ '<tool_call>{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' }}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' }}"
     "{{ fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson }}"
-    "{{ '}</tool_call>' }}"
+    "{{ '}\\n</tool_call>' }}"
     "{% endfor %}"
     "{{ '<|end|>\\n' }}"
     "{% elif role == 'tool' %}"

@@ -8,7 +8,9 @@ decoding requests read in place
 (decode_slots.py), the runner that turns one scheduled step into one forward (runner.py), sampling and
 logprobs (sampling.py), speculative decoding with exact rejection sampling (speculative.py), the
 engine and its in-process API for evaluation and RL rollouts (engine.py), its asyncio driver
-(async_engine.py), an OpenAI-compatible HTTP server (server.py), a router over replicas with
+(async_engine.py), an OpenAI-compatible HTTP server (server.py) with structured outputs (a grammar per
+request and a token bitmask per step with xgrammar: structured_output.py), tool calls (their format,
+grammar and parser: tools.py) and the request fields for both (structured_requests.py), a router over replicas with
 prefix affinity and a canary share (router.py), prefill/decode disaggregation: K/V shipped as bytes
 from prefill engines into decode engines' prefix caches (kv_transfer.py) behind one replica
 (disagg.py), Prometheus metrics (metrics.py), the load benchmark with SLO goodput (bench.py), the

@@ -18,6 +18,12 @@ request is done), and reports `baseline_output_tokens_per_s` and `ratio` for eac
 (n-gram prompt lookup, and the draft model when given) and reports `spec_speedup` (median over
 alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate and whether
 the greedy outputs are identical.
+
+`--json-schema` sends a second load in each round, of the same prompt and output lengths (prompts
+from elsewhere in the corpus, so no prefix-cache head start), with `response_format` json_schema
+(`JSON_SCHEMA`, a list of records whose minItems outlasts any output length, so each request still
+runs to its own output length: only the grammar's cost differs), and reports that load's output
+tokens/s over the plain load's in the same round.
 """
 
 from __future__ import annotations
@@ -40,6 +46,19 @@ REPETITIVE_CODE = [
     "    def __init__(self, w, h):\n        self.w = w\n        self.h = h\n\n",
     "x{i} = [1, 2, 3]\ny{i} = [1, 2, 3]\nz{i} = [1, 2, 3]\nw{i} = [1, 2, 3]\n",
 ]
+
+
+JSON_SCHEMA = {
+    "type": "array", "minItems": 256,
+    "items": {"type": "object", "required": ["name", "kind", "line", "public"], "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "kind": {"enum": ["function", "class", "constant"]},
+        "line": {"type": "integer", "minimum": 1, "maximum": 100000},
+        "public": {"type": "boolean"}}},
+}
+"""The json_schema workload's schema: the symbols of a source file as records. 256 records of at
+least ~10 tokens each outlast any output length here, so a constrained request runs to the same
+length as its plain twin and the two loads differ only by the grammar's work."""
 
 
 @dataclass
@@ -83,10 +102,24 @@ def make_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, 
     return reqs
 
 
-async def _one(session, url: str, model: str, req: BenchRequest) -> RequestTiming:
+def same_shape_requests(tokenizer, reqs: list[BenchRequest], seed: int) -> list[BenchRequest]:
+    """Requests of the same prompt and output lengths as `reqs`, their prompts cut from elsewhere in
+    the corpus: a second load on them finds nothing of the first in the prefix cache."""
+    from .testing import _stdlib_text
+
+    rng = random.Random(seed)
+    corpus = tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+    out = []
+    for r in reqs:
+        start = rng.randrange(0, len(corpus) - len(r.prompt_ids))
+        out.append(BenchRequest(corpus[start:start + len(r.prompt_ids)], r.output_len))
+    return out
+
+
+async def _one(session, url: str, model: str, req: BenchRequest, extra: dict | None = None) -> RequestTiming:
     t = RequestTiming()
     body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     last = start
     try:
@@ -117,8 +150,9 @@ async def _one(session, url: str, model: str, req: BenchRequest) -> RequestTimin
 
 
 async def run_load(base_url: str, model: str, reqs: list[BenchRequest], concurrency: int | None,
-                   request_rate: float, seed: int) -> tuple[list[RequestTiming], float]:
-    """The client side (aiohttp, as vLLM's benchmark uses: its C parser keeps the client cheap)."""
+                   request_rate: float, seed: int, extra: dict | None = None) -> tuple[list[RequestTiming], float]:
+    """The client side (aiohttp, as vLLM's benchmark uses: its C parser keeps the client cheap).
+    `extra`: fields added to every request's body (the json_schema workload's response_format)."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -128,7 +162,7 @@ async def run_load(base_url: str, model: str, reqs: list[BenchRequest], concurre
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         async def gated(r):
             async with sem:
-                return await _one(session, base_url, model, r)
+                return await _one(session, base_url, model, r, extra)
 
         tasks = []
         t0 = time.perf_counter()
@@ -338,7 +372,7 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
             outs, s, cpu = run(eng)
             reps.append((plain_s, s, plain_cpu, cpu, outs == plain))
         m = eng.metrics
-        prop, acc = m.spec_proposed.value(model=eng.model_name), m.spec_accepted.value(model=eng.model_name)
+        prop, acc = m.spec_proposed.value(model_name=eng.model_name), m.spec_accepted.value(model_name=eng.model_name)
         ratios = [p / x for p, x, _, _, _ in reps]
         cpu_ratios = [p / x for _, _, p, x, _ in reps]
         mid = sorted(range(len(reps)), key=lambda i: ratios[i])[len(reps) // 2]
@@ -416,6 +450,7 @@ def bench_serve_command(
     rounds: int = 3,
     serve_speculative: str | None = None,
     goodput: list[str] | None = None,
+    json_schema: bool = False,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
@@ -483,6 +518,13 @@ def bench_serve_command(
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
             r: dict[str, Any] = {"serve": summarize(*asyncio.run(run_load(url, model, reqs, concurrency,
                                                                            request_rate, seed)), slos)}
+            if json_schema:  # the same requests again, constrained (the grammar's cost: the ratio of the two)
+                extra = {"response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "symbols", "schema": JSON_SCHEMA}}}
+                jreqs = same_shape_requests(tokenizer, reqs, seed + 1000 + rnd)  # no prefix-cache head start
+                asyncio.run(run_load(url, model, jreqs[-2:], 2, float("inf"), seed, extra))  # warm-up: compile it
+                r["serve_json"] = summarize(*asyncio.run(run_load(url, model, jreqs, concurrency, request_rate,
+                                                                  seed, extra)), slos)
             if model_dir is not None and in_process:
                 r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options), slos)
             if baseline == "hf":
@@ -514,6 +556,17 @@ def bench_serve_command(
     failed = sum(r["serve"]["failed"] for r in rounds_out)
     if failed:
         print(f"{failed} requests failed: {summary['errors']}", file=sys.stderr)
+    if json_schema:
+        jsum = median_round("serve_json")
+        ratios = [r["serve_json"]["output_tokens_per_s"] / r["serve"]["output_tokens_per_s"] for r in rounds_out]
+        emit({"figure": "serve_json_schema", "model": model, "concurrency": concurrency,
+              "workload": "the served load's prompt and output lengths, each request with response_format json_schema (bench.JSON_SCHEMA)",
+              **{k: jsum[k] for k in ("completed", "failed", "errors", "duration_s", "output_tokens",
+                                      "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms")},
+              "plain_output_tokens": summary["output_tokens"],
+              "plain_output_tokens_per_s": summary["output_tokens_per_s"],
+              "ratio": statistics.median(ratios), "cost": 1 - statistics.median(ratios), "rounds_ratio": ratios})
+        failed += sum(r["serve_json"]["failed"] for r in rounds_out)
     if "engine" in rounds_out[0]:
         esum = median_round("engine")
         emit({"figure": "engine_in_process", "model": model, "concurrency": concurrency,

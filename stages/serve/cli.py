@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--num-speculative-tokens", type=int, default=5)
     b.add_argument("--enforce-eager", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
                    help="the engines run eagerly (default: compiled, as `serve` runs them)")
+    b.add_argument("--json-schema", action="store_true",
+                   help="also run the load with response_format json_schema and report its tokens/s over the plain load's")
     b.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:500 tpot:50: also report "
                         "request_goodput, the requests/s meeting all of them")
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                                range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
                                draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
-                               num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput, **opts)
+                               num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,
+                               json_schema=ns.json_schema, **opts)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, TokenLogprob, make_generator
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import DraftModelProposer, NgramProposer
+from .structured_output import GrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = model_stop_token_ids(self.model_dir, self.eos_token_id, self.tokenizer.eos_token_id)
+        self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
         self.metrics = metrics or ServeMetrics()
         self.metric_labels = self.metrics.engine_labels(self.model_name)  # vLLM's model_name and engine
         self.metrics.running.set_function(lambda: len(self.scheduler.running), **self.metric_labels)
@@ -299,6 +301,14 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens"
             )
+        if params.structured_output is not None:  # an invalid schema, regex or grammar fails here
+            self.grammar_backend().compile(params.structured_output)
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this engine's vocabulary (structured_output.py)."""
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model.shape.vocab_size)
+        return self._grammar_backend
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False, lora_name: str | None = None) -> str:
@@ -316,8 +326,14 @@ class LLMEngine:
     def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> Request:
         ids = self.encode(prompt)
         self.check_request(ids, params)
-        return Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
-                       generator=make_generator(params, self.model.device))
+        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
+                      generator=make_generator(params, self.model.device))
+        if params.structured_output is not None:
+            # the grammar's end must be followed by a token that ends the request: the request's
+            # whole stop set (EOS, end of turn, its stop_token_ids), whatever ignore_eos says
+            stops = sorted(self.eos_token_ids | set(params.stop_token_ids))
+            req.grammar = self.grammar_backend().matcher(params.structured_output, stops)
+        return req
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.add_request(req)

@@ -3,9 +3,9 @@
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output, ignore_eos,
 prompt_logprobs...), chat messages in all five roles with content as a string or a list of text
 parts, and tool calls. Fields this server does not know are accepted and logged as a warning, as
-vLLM does. The structured-output and tool-choice fields (`response_format`, `tools`,
-`tool_choice`, `structured_outputs`, `guided_*`) are carried through here untyped for the code that
-handles them; `tools` also reaches the chat template, which renders them."""
+vLLM does. The structured-output and tool-choice fields (`response_format`, `structured_outputs`,
+`guided_*`; `tools`, `tool_choice`, `parallel_tool_calls`) are typed and turned into the engine's
+constraint by structured_requests.py; `tools` also reaches the chat template, which renders them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .sampling import SamplingParams
+from .structured_requests import StructuredOutputFields, ToolFields, structured_output_of
 
 log = logging.getLogger("stages.serve.protocol")
 
@@ -45,8 +46,9 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """What /v1/completions and /v1/chat/completions share: the model, sampling and stopping."""
+class SamplingRequest(OpenAIBaseModel, StructuredOutputFields):
+    """What /v1/completions and /v1/chat/completions share: the model, sampling, stopping and the
+    output's constraint (StructuredOutputFields)."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -70,13 +72,6 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # structured outputs and tool choice: carried through for the code that applies them
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -97,7 +92,8 @@ class SamplingRequest(OpenAIBaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                         vocab_size: int) -> SamplingParams:
         """vLLM's defaults for what the request leaves out (temperature 1, top_p 1, no top-k...).
-        Raises ValueError (a 400) naming a field the engine cannot honour."""
+        Raises ValueError (a 400) naming a field the engine cannot honour, or an output constraint
+        that is invalid or combined with another (structured_requests.py)."""
         bias = {}
         for k, b in (self.logit_bias or {}).items():
             tid = int(k)
@@ -126,6 +122,7 @@ class SamplingRequest(OpenAIBaseModel):
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_output=structured_output_of(self),
         )
 
 
@@ -217,7 +214,7 @@ class ChatMessage(OpenAIBaseModel):
         return out
 
 
-class ChatRequest(SamplingRequest):
+class ChatRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -225,9 +222,6 @@ class ChatRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _generation_prompt(self):
@@ -236,6 +230,10 @@ class ChatRequest(SamplingRequest):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs an assistant message last")
         return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's tool objects)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -1,16 +1,21 @@
 """One generation request as the scheduler sees it: its tokens, how many have K/V computed, the
-draft tokens proposed for it, and its status (vLLM v1's Request, in our words)."""
+draft tokens proposed for it, its grammar matcher when its output is constrained, and its status
+(vLLM v1's Request, in our words)."""
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .lora import LoRAAdapter
 from .sampling import SamplingParams, TokenHistory, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +51,7 @@ class Request:
     last_emit_time: float | None = None  # when the engine last handed tokens out (inter-token latency)
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    grammar: Any = None  # xgrammar GrammarMatcher of a structured output (structured_output.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -95,13 +101,22 @@ class Request:
         return TokenHistory(self.prompt_token_ids, self.output_token_ids, self.stop_token_ids)
 
     def append_token(self, token_id: int) -> bool:
-        """Add one sampled token; True when it ends the request (EOS, a stop token, max_tokens)."""
+        """Add one sampled token; True when it ends the request (EOS, a stop token, its grammar's
+        end, max_tokens)."""
         self.token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            # sampling was masked by this grammar: a refused token is a bug, not the model's doing
+            log.error("request %s: token %d is outside its grammar; ending it", self.request_id, token_id)
+            self.finish_reason = "stop"
+            return True
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = "stop"
             return True
         if token_id in self.params.stop_token_ids:
             self.finish_reason = "stop"
+            return True
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finish_reason = "stop"  # the grammar ended on a stop token, ignore_eos or not
             return True
         if self.num_output_tokens >= self.params.max_tokens:
             self.finish_reason = "length"

@@ -6,7 +6,8 @@ them: the last row of a request that reaches its end, the k+1 verification rows 
 request, and every row of a prompt whose logprobs were asked for. Whichever forward ran (the
 general paged one, or the decode-slot step of `_execute_decodes`), tokens come from one sampling
 path, `_sample`. Requests that name a LoRA adapter share the forward with the rest: it adds each
-adapter's update to its own rows (lora.py).
+adapter's update to its own rows (lora.py). The rows of requests whose output is constrained by a
+grammar are masked to it there, before anything samples from them (structured_output.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
 from .request import Request
 from .scheduler import SchedulerOutput, StepResult
 from .speculative import accept_greedy, rejection_sample
+from .structured_output import GrammarBitmask
 
 
 class ModelRunner:
@@ -31,6 +33,16 @@ class ModelRunner:
         self.kv = kv
         self.slots = slots  # 1-token decodes attend over contiguous rows (decode_slots.py) when set
         self.sampler = Sampler()
+        self._bitmask: GrammarBitmask | None = None  # built by the first constrained request
+
+    def mask_to_grammars(self, logits: torch.Tensor, picks: list["Pick"]) -> None:
+        """Mask in place the sampled rows (the first and one per draft) of constrained requests."""
+        constrained = [(off, req, drafts) for req, off, drafts, _ in picks if req.grammar is not None]
+        if not constrained:
+            return
+        if self._bitmask is None:
+            self._bitmask = GrammarBitmask(self.model.shape.vocab_size)
+        self._bitmask.apply(logits, constrained)
 
     def execute(self, out: SchedulerOutput) -> dict[str, StepResult]:
         if not out.scheduled:
@@ -110,7 +122,9 @@ class ModelRunner:
         the row its rows start at and the draft tokens those rows verify (rows: 1 + drafts). Requests
         with no drafts are sampled together by the Sampler (their own params, processors and seeds,
         one argmax when all are greedy); drafts are verified greedily or by rejection sampling
-        (speculative.py). Fills each pick's StepResult with its tokens and, when asked, their logprobs."""
+        (speculative.py). Rows of requests bound by a grammar are masked to it first. Fills each pick's
+        StepResult with its tokens and, when asked, their logprobs."""
+        self.mask_to_grammars(logits, picks)
         plain = [p for p in picks if not p[2]]
         if plain:
             if len(plain) == logits.shape[0] and all(p[1] == i for i, p in enumerate(plain)):

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured_output import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -53,6 +55,9 @@ class SamplingParams:
     """Return the chosen token's logprob and this many top alternatives (0: chosen only)."""
     prompt_logprobs: int | None = None
     """Return the logprob of every prompt token (and this many top alternatives)."""
+    structured_output: StructuredOutput | None = None
+    """A grammar the output must match (JSON schema, regex, choice, EBNF, structural tag): sampling
+    is masked to it and the request ends when it does (structured_output.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,8 +5,9 @@ token-id prompts, logprobs with echo for lm-eval's local-completions, n and best
 /v1/chat/completions (the tokenizer's chat template over all five roles, content parts, tool calls
 and a tools list; without max_tokens a chat runs to a stop or the context's end, as vLLM's does),
 both with SSE streaming (logprobs in the chunks, n choices by index) and every vLLM sampling field
-and prompt_logprobs; /tokenize, /detokenize, /v1/models, /v1/models/{id}, /version, /health,
-/metrics (Prometheus, vLLM's names). LoRA adapters are models of their own in /v1/models (with
+and prompt_logprobs, and with structured outputs (response_format, structured_outputs, guided_*)
+and, on chat, tool calls parsed into `tool_calls` (structured_requests.py, tools.py); /tokenize,
+/detokenize, /v1/models, /v1/models/{id}, /version, /health, /metrics (Prometheus, vLLM's names). LoRA adapters are models of their own in /v1/models (with
 `parent`), named by requests' `model`; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
 when runtime updating is on. Bad requests get 400 with a message (a chat the template
 cannot render too, never a 500), an unknown model 404, a full queue 429, a missing or wrong API
@@ -38,6 +39,7 @@ from .protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRe
                        SamplingRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from .router import Router
 from .sampling import SamplingParams, TokenLogprob
+from .structured_requests import assistant_message, chat_finish_reason, stream_delta, tool_parser_for
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -348,8 +350,8 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         try:
-            text = _render_chat(body.messages, body.tools, body.add_generation_prompt, body.continue_final_message,
-                                body.chat_template_kwargs)
+            text = _render_chat(body.messages, body.tool_dicts(), body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template_kwargs)
             ids = eng0.encode(text)
             top = (body.top_logprobs or 0) if body.logprobs else None
             eng = _route(body, ids)
@@ -365,7 +367,8 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         created = int(time.time())
         if body.stream:
             return await _stream(request, jobs, rid, created, chat=True, include_usage=body.include_usage,
-                                 want_logprobs=body.logprobs, prompt_text=text, as_ids=body.return_tokens_as_token_ids)
+                                 want_logprobs=body.logprobs, prompt_text=text, as_ids=body.return_tokens_as_token_ids,
+                                 tool_parsers={i: tool_parser_for(body) for i, *_ in jobs})
         try:
             outs = await asyncio.gather(*[_run(request, e, i, sp) for _, e, i, sp in jobs])
         except Overloaded as e:
@@ -374,10 +377,11 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             return _error(400, str(e))
         choices = []
         for i, out in enumerate(outs):
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+            message, finish_reason = assistant_message(body, out.text, out.finish_reason)  # tool calls parsed out
+            choices.append({"index": i, "message": message,
                             "logprobs": _chat_logprobs(out.logprobs, body.return_tokens_as_token_ids) if body.logprobs
                             else None,
-                            "finish_reason": out.finish_reason})
+                            "finish_reason": finish_reason})
             if request_log is not None:
                 request_log.write(prompt=text, completion=out.text, model=eng.model_name, endpoint="chat",
                                   messages=[m.model_dump() for m in body.messages], finish_reason=out.finish_reason,
@@ -391,9 +395,11 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         return resp
 
     async def _stream(request, jobs, rid, created, chat: bool, include_usage: bool, want_logprobs: bool,
-                      echo_text: str | None = None, prompt_text: str | None = None, as_ids: bool = False):
+                      echo_text: str | None = None, prompt_text: str | None = None, as_ids: bool = False,
+                      tool_parsers: dict | None = None):
         """SSE chunks of every choice of a request (`jobs`: index, engine, prompt ids, params), each
-        with its index, its text delta and, when asked, the logprobs of the delta's tokens."""
+        with its index, its text delta and, when asked, the logprobs of the delta's tokens.
+        `tool_parsers`: a parser per choice index when tool calls are parsed out of the text (tools.py)."""
         streams = []
         try:
             for index, eng, ids, params in jobs:
@@ -415,7 +421,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             json.dumps(rid), json.dumps(obj), created, json.dumps(eng.model_name), index) for index, *_ in jobs}
 
         def chunk(index: int, delta_text: str | None, finish: str | None, role: bool = False,
-                  out: RequestOutput | None = None) -> str:
+                  out: RequestOutput | None = None, tool_calls: list | None = None) -> str:
             fin = json.dumps(finish)
             lp = "null"
             if want_logprobs and out is not None and out.delta_token_ids:
@@ -425,6 +431,8 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
                 delta: dict = {"role": "assistant"} if role else {}
                 if delta_text is not None:
                     delta["content"] = delta_text
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 body = f'"delta": {json.dumps(delta)}, "logprobs": {lp}, "finish_reason": {fin}'
             else:
                 body = f'"text": {json.dumps(delta_text or "")}, "logprobs": {lp}, "finish_reason": {fin}'
@@ -483,7 +491,14 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
                         yield chunk(index, echo_text, None)
                 async for index, out in outputs():
                     last[index] = out
-                    if out.delta_text or out.finished or (want_logprobs and out.delta_token_ids):
+                    parser = (tool_parsers or {}).get(index)
+                    if parser is not None:  # content and tool calls parsed apart (tools.py)
+                        content, calls = stream_delta(parser, out.delta_text, out.finished)
+                        if content or calls or out.finished or (want_logprobs and out.delta_token_ids):
+                            yield chunk(index, content if content or not calls else None,
+                                        chat_finish_reason(parser, out.finish_reason) if out.finished else None,
+                                        out=out, tool_calls=calls)
+                    elif out.delta_text or out.finished or (want_logprobs and out.delta_token_ids):
                         yield chunk(index, out.delta_text, out.finish_reason if out.finished else None, out=out)
                 if include_usage and last:
                     n = sum(len(o.token_ids) for o in last.values())

@@ -18,7 +18,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
                              baseline="hf", baseline_sequential_requests=2, speculative=True,
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
                              rounds=1, server="process", out=str(out), num_kv_blocks=64, goodput=["ttft:600000"],
-                             enforce_eager=True)  # compiling would cost the suite ~10-40 s
+                             enforce_eager=True, json_schema=True)  # compiling would cost the suite ~10-40 s
     assert rc == 0
     lines = {d["figure"]: d for d in map(json.loads, out.read_text().splitlines())}
     serve = lines["serve"]
@@ -33,6 +33,10 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(serve[key]) == {"mean", "median", "p99"} and serve[key]["p99"] >= serve[key]["median"] > 0
     assert serve["output_tokens_per_s"] > 0
+    # the json_schema twin: the same requests, each running to the same length under its grammar
+    js = lines["serve_json_schema"]
+    assert js["completed"] == 6 and js["failed"] == 0 and js["output_tokens"] == serve["output_tokens"]
+    assert js["ratio"] == pytest.approx(js["output_tokens_per_s"] / serve["output_tokens_per_s"])
     # a 10-minute TTFT objective: every request is good, so goodput is the request throughput
     assert serve["slo_ms"] == {"ttft": 600000.0} and serve["good_request_share"] == 1.0
     assert serve["request_goodput"] == pytest.approx(serve["request_throughput"])

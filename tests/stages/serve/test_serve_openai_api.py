@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from stages.serve.server import ServerThread, build_app, build_router
+from stages.serve.tools import parse_tool_calls, render_tool_call
 
 CONTEXT = 512  # the model's max_position_embeddings: a chat without max_tokens runs to it
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -109,6 +110,19 @@ def test_chat_without_max_tokens_runs_to_the_context_end(client, served, hf):
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens == CONTEXT
 
 
+def test_template_renders_tool_calls_as_the_tool_parser_reads_them(hf):
+    # the chat template (stages/tokenizer.py) and tools.py must agree on the Hermes format, so a model
+    # post-trained on the template writes what the grammar forces and the parser reads back
+    calls = [("get_weather", {"city": "Paris", "note": "é \"q\""}), ("noop", {})]
+    msg = {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
+    text = hf[1].apply_chat_template([msg], tokenize=False, add_generation_prompt=False)
+    turn = text.split("<|assistant|>\n", 1)[1].rsplit("<|end|>", 1)[0]
+    assert turn == "Checking." + "\n".join(render_tool_call(n, a) for n, a in calls)
+    content, parsed = parse_tool_calls(turn)
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+
+
 def test_every_role_content_parts_and_tools_render_as_transformers_renders_them(client, served, hf):
     tok = hf[1]
     # transformers' convention for the reference: tool-call arguments as an object (the server parses the string)
@@ -119,7 +133,7 @@ def test_every_role_content_parts_and_tools_render_as_transformers_renders_them(
     assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == CONTEXT
     text = tok.decode(want)
     for piece in ("<|system|>\nAnswer in English.\nUse tools when useful.<|end|>", '"name": "get_weather"',
-                  '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|end|>',
+                  render_tool_call("get_weather", {"city": "Paris"}) + "<|end|>",
                   "<|user|>\n<tool_response>sunny, 21 C</tool_response><|end|>"):
         assert piece in text, piece
     chat = client.chat.completions.create(model=_name(served), messages=ALL_ROLES, tools=TOOLS, max_tokens=3, temperature=0)
