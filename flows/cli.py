@@ -241,13 +241,13 @@ def bench_run(ctx: typer.Context, name: str = typer.Argument(..., help=", ".join
         module.main(list(ctx.args))
 
 
-@bench_app.command("serve", context_settings=PASS_THROUGH)
+@bench_app.command("serve", context_settings=PASS_THROUGH, add_help_option=False)
 def bench_serve(ctx: typer.Context) -> None:
     """Load benchmark like `vllm bench serve`: TTFT/TPOT/ITL/e2e and output tokens/s as JSON
     (--baseline hf, --speculative-bench, --concurrency, --request-rate, MODEL_DIR ...)."""
     from stages.serve.cli import main as serve_main
 
-    raise typer.Exit(serve_main(["bench", *ctx.args]))
+    raise typer.Exit(serve_main(["bench", *ctx.args], bench_prog="eightfold bench serve"))
 
 
 def main() -> None:

@@ -102,6 +102,29 @@ def make_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, 
     return reqs
 
 
+def fit_lengths(input_len: int | None, output_len: int | None, range_ratio: float,
+                max_model_len: int | None) -> tuple[int, int]:
+    """The prompt and output lengths of the load: those given, or 64 and 128 (vLLM's random dataset
+    uses 1024/128; ours are tiny models) scaled down together until the longest request (both at
+    (1 + range_ratio) times their length) fits the served context. Lengths given explicitly that do not
+    fit raise ValueError naming the numbers (the server would refuse every such request)."""
+    longest = lambda i, o: int(i * (1 + range_ratio)) + int(o * (1 + range_ratio))  # noqa: E731
+    if input_len is not None or output_len is not None:
+        i, o = input_len or 64, output_len or 128
+        if max_model_len and longest(i, o) > max_model_len:
+            raise ValueError(f"--input-len {i} and --output-len {o} with --range-ratio {range_ratio} make requests of "
+                             f"up to {longest(i, o)} tokens; the model's context is {max_model_len}")
+        return i, o
+    i, o = 64, 128
+    if max_model_len:
+        while longest(i, o) > max_model_len and i > 1:
+            i, o = max(1, i * 7 // 8), max(1, o * 7 // 8)
+        if i != 64:
+            print(f"lengths fitted to the model's {max_model_len}-token context: --input-len {i} --output-len {o}",
+                  file=sys.stderr)
+    return i, o
+
+
 def same_shape_requests(tokenizer, reqs: list[BenchRequest], seed: int) -> list[BenchRequest]:
     """Requests of the same prompt and output lengths as `reqs`, their prompts cut from elsewhere in
     the corpus: a second load on them finds nothing of the first in the prefix cache."""
@@ -429,8 +452,8 @@ def bench_serve_command(
     num_prompts: int = 192,
     concurrency: int | None = 32,
     request_rate: float = float("inf"),
-    input_len: int = 64,
-    output_len: int = 128,
+    input_len: int | None = None,
+    output_len: int | None = None,
     range_ratio: float = 0.75,
     seed: int = 0,
     baseline: str | None = None,
@@ -455,7 +478,9 @@ def bench_serve_command(
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
     on a tiny random checkpoint built on the spot) and print one JSON line per figure. `goodput`:
-    objectives in ms (`["ttft:500", "tpot:50"]`), see `parse_goodput`."""
+    objectives in ms (`["ttft:500", "tpot:50"]`), see `parse_goodput`. `input_len`/`output_len`:
+    None takes 64/128 scaled down to the served context (`fit_lengths`); lengths given that cannot
+    fit are refused."""
     if baseline not in (None, "hf"):
         print(f"unknown baseline {baseline!r}; supported: hf", file=sys.stderr)
         return 2
@@ -512,7 +537,9 @@ def bench_serve_command(
             url = base_url.rstrip("/")
         import httpx
 
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        model = card["id"]
+        input_len, output_len = fit_lengths(input_len, output_len, range_ratio, card.get("max_model_len"))
         for rnd in range(rounds):
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up

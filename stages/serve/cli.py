@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
@@ -40,7 +41,8 @@ def _engine_options(ns: argparse.Namespace) -> dict:
     return {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineConfig) if getattr(ns, f.name) is not None}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
+    """`bench_prog`: the name the bench command's usage and help go by (`eightfold bench serve`)."""
     parser = argparse.ArgumentParser(prog="python -m stages.serve.cli")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -63,29 +65,38 @@ def main(argv: list[str] | None = None) -> int:
                         "/v1/load_lora_adapter and /v1/unload_lora_adapter")
     _add_engine_options(s)
 
-    b = sub.add_parser("bench", help="load benchmark (like `vllm bench serve`)")
-    b.add_argument("model_dir", nargs="?", default=None)
-    b.add_argument("--base-url", default=None)
-    b.add_argument("--num-prompts", type=int, default=192)
-    b.add_argument("--concurrency", type=int, default=32)
-    b.add_argument("--request-rate", type=float, default=float("inf"))
-    b.add_argument("--input-len", type=int, default=64)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--range-ratio", type=float, default=0.75)
+    b = sub.add_parser("bench", help="load benchmark (like `vllm bench serve`)",
+                       description="Load benchmark like `vllm bench serve`: one JSON line per figure (TTFT, TPOT, "
+                                   "ITL, e2e latency, output tokens/s; with --baseline, ratios against it).",
+                       **({"prog": bench_prog} if bench_prog else {}))
+    b.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face checkpoint folder to serve (default: a tiny one built and cached on the spot)")
+    b.add_argument("--base-url", default=None, help="load a server already running there instead of starting one")
+    b.add_argument("--num-prompts", type=int, default=192, help="requests per round")
+    b.add_argument("--concurrency", type=int, default=32, help="requests in flight at most")
+    b.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
+    b.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens, mean (default 64, scaled down with --output-len to fit the model's context)")
+    b.add_argument("--output-len", type=int, default=None, help="output tokens, mean (default 128, see --input-len)")
+    b.add_argument("--range-ratio", type=float, default=0.75,
+                   help="lengths are uniform in [len*(1-r), len*(1+r)]")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--baseline", choices=["hf"], default=None)
-    b.add_argument("--speculative-bench", dest="spec", action="store_true")
-    b.add_argument("--draft-model-dir", default=None)
-    b.add_argument("--threads", type=int, default=1)
-    b.add_argument("--out", default=None)
-    b.add_argument("--server", choices=["process", "thread"], default="process")
+    b.add_argument("--baseline", choices=["hf"], default=None,
+                   help="also run Hugging Face generate on the same prompts (one at a time, static batches)")
+    b.add_argument("--speculative-bench", dest="spec", action="store_true",
+                   help="also time speculative decoding (n-gram, and the draft model) against plain decoding")
+    b.add_argument("--draft-model-dir", default=None, help="draft checkpoint for --speculative-bench")
+    b.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
+    b.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    b.add_argument("--server", choices=["process", "thread"], default="process",
+                   help="the server in its own process (default) or a thread of this one")
     b.add_argument("--rounds", type=int, default=3, help="repeat and report the median round")
-    b.add_argument("--max-num-seqs", type=int, default=None)
-    b.add_argument("--max-num-batched-tokens", type=int, default=None)
+    b.add_argument("--max-num-seqs", type=int, default=None, help="engine option (default: max(concurrency, 64))")
+    b.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine option: tokens per step at most")
     b.add_argument("--stream-interval", type=int, default=None, help="engine option: hand tokens out N at a time")
     b.add_argument("--serve-speculative", choices=["ngram"], default=None,
                    help="the served load speculates too (greedy output unchanged)")
-    b.add_argument("--num-speculative-tokens", type=int, default=5)
+    b.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens proposed per step")
     b.add_argument("--enforce-eager", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
                    help="the engines run eagerly (default: compiled, as `serve` runs them)")
     b.add_argument("--json-schema", action="store_true",
@@ -117,13 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens),
                               ("stream_interval", ns.stream_interval), ("enforce_eager", ns.enforce_eager))
             if v is not None}
-    return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,
-                               request_rate=ns.request_rate, input_len=ns.input_len, output_len=ns.output_len,
-                               range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
-                               draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
-                               out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
-                               num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,
-                               json_schema=ns.json_schema, **opts)
+    try:
+        return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,
+                                   request_rate=ns.request_rate, input_len=ns.input_len, output_len=ns.output_len,
+                                   range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
+                                   draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
+                                   out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
+                                   num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,
+                                   json_schema=ns.json_schema, **opts)
+    except Exception as e:  # noqa: BLE001 - a command line's errors are one line (EIGHTFOLD_DEBUG=1: the traceback)
+        if os.environ.get("EIGHTFOLD_DEBUG"):
+            raise
+        print(f"bench serve: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

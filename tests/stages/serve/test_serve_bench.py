@@ -167,3 +167,32 @@ def test_goodput_flag_rejects_bad_objectives_with_exit_code_2(pairs, message, ca
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert bench_serve_command(goodput=pairs) == 2 and message in capsys.readouterr().err
     assert parse_goodput(["ttft:500", "tpot:50.5", "e2el:2000"]) == {"ttft": 500.0, "tpot": 50.5, "e2el": 2000.0}
+
+
+def test_default_lengths_fit_the_served_context_and_given_ones_that_cannot_are_refused():
+    from stages.serve.bench import fit_lengths
+
+    for ctx in (64, 100, 256, 1000):
+        i, o = fit_lengths(None, None, 0.75, ctx)
+        assert int(i * 1.75) + int(o * 1.75) <= ctx  # the longest request the load can draw fits
+        assert (i, o) == (64, 128) or int(i * 8 / 7 * 1.75) + int(o * 8 / 7 * 1.75) > ctx  # scaled no further than needed
+    assert fit_lengths(None, None, 0.75, None) == (64, 128)
+    assert fit_lengths(10, 20, 0.0, 30) == (10, 20)
+    with pytest.raises(ValueError, match="up to 336 tokens; the model's context is 256"):
+        fit_lengths(64, 128, 0.75, 256)
+
+
+def test_bench_serve_cli_errors_are_one_line_and_help_lists_every_option(tmp_path, capsys):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from stages.serve.cli import main
+
+    # a folder that holds no checkpoint: one line on stderr, no traceback
+    assert main(["bench", str(tmp_path), "--rounds", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench serve: error:") and "\n" not in err and "Traceback" not in err
+    text = CliRunner().invoke(app, ["bench", "serve", "--help"]).output
+    assert "usage: eightfold bench serve" in text
+    for option in ("--concurrency", "--input-len", "--output-len", "--baseline", "--json-schema", "--max-num-seqs"):
+        assert option in text
