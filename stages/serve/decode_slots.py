@@ -45,8 +45,11 @@ class DecodeSlots:
         return len(self.slot_of)
 
     def ensure_capacity(self, tokens: int) -> None:
-        """Room for `tokens` positions, and always one more: the context attended is then never the
-        whole row, so the compiled decode step (compiled_forward.py) has one shape case, not two."""
+        """Room for `tokens` positions, and always one more; and one row more than there are slots.
+        The rows and context attended are then never the whole tensor, which would make the view
+        contiguous: the compiled decode step (compiled_forward.py) would specialise on it, and the
+        batch that fills every slot (reached under load, not at warm-up) would compile on the
+        request path (measured: 30 s at concurrency 128 with max_num_seqs 128)."""
         tokens += 1
         if tokens <= self.capacity:
             return
@@ -57,7 +60,7 @@ class DecodeSlots:
             cap *= 2
         cap = min(cap, self.max_len + 1)
         s = self.shape
-        new = [torch.zeros(2, s.num_kv_heads, self.num_slots, cap, s.head_dim, dtype=self.dtype, device=self.device)
+        new = [torch.zeros(2, s.num_kv_heads, self.num_slots + 1, cap, s.head_dim, dtype=self.dtype, device=self.device)
                for _ in range(s.num_layers)]
         for old, n in zip(self.kv, new):
             n[..., : self.capacity, :] = old
