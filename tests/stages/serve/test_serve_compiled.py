@@ -16,7 +16,9 @@ def test_compiled_engine_generates_what_the_eager_one_does(tiny_hf_model_dir):
     # sequence in the compiled step too, alongside plain decodes (1 token) and eager mixed steps
     prompts = [[5 + (j % (3 + i)) for j in range(12 + 5 * i)] for i in range(5)] + [[7]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    cfg = dict(num_kv_blocks=64, max_num_seqs=8)
+    # as many slots as prompts: steps where every slot decodes (a shape warm-up does not make) must
+    # not compile on the request path either
+    cfg = dict(num_kv_blocks=64, max_num_seqs=len(prompts))
     eager = LLMEngine(tiny_hf_model_dir, EngineConfig(**cfg))
     assert not eager.model.pieces.compiled
     want = [o.token_ids for o in eager.generate(prompts, params)]
