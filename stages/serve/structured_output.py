@@ -39,6 +39,9 @@ three levels of four-space indentation between two tokens."""
 GRAMMAR_CACHE_BYTES = 512 * 2**20
 """Compiled grammars kept for reuse (vLLM's default xgrammar cache size, 512 MiB)."""
 
+RECENT_GRAMMARS = 64
+"""Specs whose compiled grammars are kept by their text (GrammarBackend.compile), validation included."""
+
 
 @dataclass
 class StructuredOutput:
@@ -145,9 +148,23 @@ class GrammarBackend:
         # one thread: the engine shares the machine's cores with the forward; compiled grammars cached
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True,
                                             cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+        self._recent: dict[str, Any] = {}  # spec's canonical text -> compiled grammar, oldest first
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar; ValueError naming the request field and the problem otherwise."""
+        """The compiled grammar; ValueError naming the request field and the problem otherwise.
+        Kept by the spec's canonical text: a load repeating one schema checks and converts it once
+        (checking a schema against its metaschema took 7 ms, a fifth of a json_schema load's time)."""
+        value = getattr(spec, spec.kind) if spec.kind != "json_object" else True
+        key = json.dumps([spec.kind, value, spec.any_whitespace], sort_keys=True, default=str)
+        compiled = self._recent.get(key)
+        if compiled is None:
+            compiled = self._compile(spec)
+            if len(self._recent) >= RECENT_GRAMMARS:
+                self._recent.pop(next(iter(self._recent)))  # the oldest
+            self._recent[key] = compiled
+        return compiled
+
+    def _compile(self, spec: StructuredOutput):
         xgr, c = self._xgr, self.compiler
         ws = {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE_RUN} if spec.any_whitespace \
             else {"any_whitespace": False}

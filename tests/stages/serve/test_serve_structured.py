@@ -338,3 +338,22 @@ def test_bitmask_rows_for_drafts_follow_the_grammar(plain_engine):
     GrammarBitmask(vocab).apply(again, [(0, Req, [])])  # rolled back: the first row's mask again
     assert set(torch.nonzero(again[0] > float("-inf")).flatten().tolist()) == allowed[0]
 
+
+
+def test_a_repeated_schema_is_checked_and_compiled_once(plain_engine, monkeypatch):
+    """Requests repeating one schema reuse its checked, compiled grammar; a different schema, or
+    the same one without free whitespace, is its own; an invalid one is refused every time."""
+    import stages.serve.structured_output as so
+
+    backend = plain_engine.grammar_backend()
+    checks = []
+    check = so.check_json_schema
+    monkeypatch.setattr(so, "check_json_schema", lambda s, o: (checks.append(o), check(s, o))[1])
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": len(backend._recent)}}}
+    first = backend.compile(StructuredOutput(json=schema))
+    assert backend.compile(StructuredOutput(json=json.loads(json.dumps(schema)))) is first and len(checks) == 1
+    assert backend.compile(StructuredOutput(json=schema, any_whitespace=False)) is not first
+    assert backend.compile(StructuredOutput(json={**schema, "required": ["n"]})) is not first and len(checks) == 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="invalid JSON schema"):
+            backend.compile(StructuredOutput(json={"type": "objekt"}))
