@@ -10,12 +10,16 @@ import pytest
 
 
 @pytest.mark.slow
-def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, tmp_path, capsys):
+def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, tmp_path, capsys, monkeypatch):
+    from stages.serve import llama_cpp_peer
     from stages.serve.bench import bench_serve_command
 
+    # llama.cpp is not built here (15 minutes): its row is skipped with the builder's message
+    monkeypatch.setattr(llama_cpp_peer, "ensure_built", lambda log: log("llama.cpp baseline skipped: test") and None)
     out = tmp_path / "bench.jsonl"
     rc = bench_serve_command(str(tiny_hf_model_dir), num_prompts=6, concurrency=3, input_len=16, output_len=8,
-                             baseline="hf", baseline_sequential_requests=2, speculative=True,
+                             baseline=["hf", "llama.cpp"], baseline_sequential_requests=2, speculative=True,
+                             concurrency_sweep=[1, 4],
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
                              rounds=1, server="process", out=str(out), num_kv_blocks=64, goodput=["ttft:600000"],
                              enforce_eager=True, json_schema=True)  # compiling would cost the suite ~10-40 s
@@ -44,6 +48,11 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     for b in ("baseline_hf_sequential", "baseline_hf_static"):
         assert lines[b]["baseline_output_tokens_per_s"] > 0
         assert lines[b]["ratio"] == pytest.approx(serve["output_tokens_per_s"] / lines[b]["baseline_output_tokens_per_s"])
+    assert "baseline_llama_cpp" not in lines and "llama.cpp baseline skipped: test" in capsys.readouterr().err
+    sweep = [d for d in map(json.loads, out.read_text().splitlines()) if d["figure"] == "serve_concurrency"]
+    assert [d["concurrency"] for d in sweep] == [1, 4] and all(d["completed"] == 16 and not d["failed"] for d in sweep)
+    assert sweep[0]["over_previous"] is None
+    assert sweep[1]["over_previous"] == pytest.approx(sweep[1]["output_tokens_per_s"] / sweep[0]["output_tokens_per_s"])
     for kind in ("speculative_ngram", "speculative_draft"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
         assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 1  # rounds=1
@@ -196,3 +205,22 @@ def test_bench_serve_cli_errors_are_one_line_and_help_lists_every_option(tmp_pat
     assert "usage: eightfold bench serve" in text
     for option in ("--concurrency", "--input-len", "--output-len", "--baseline", "--json-schema", "--max-num-seqs"):
         assert option in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("stages.serve.llama_cpp_peer", fromlist=["binary"]).binary("llama-server").exists(),
+                    reason="llama.cpp is not built in the cache (python -m stages.serve.llama_cpp_peer builds it)")
+def test_llama_cpp_baseline_serves_the_same_load(tiny_hf_model_dir, tmp_path):
+    """Where llama.cpp is built: llama-server on our f16 GGUF completes the same requests, each to
+    its exact output length, and the row's ratio is ours over its."""
+    from stages.serve.bench import bench_serve_command
+
+    out = tmp_path / "bench.jsonl"
+    assert bench_serve_command(str(tiny_hf_model_dir), num_prompts=6, concurrency=3, input_len=16, output_len=8,
+                               baseline="llama.cpp", rounds=1, in_process=False, out=str(out), num_kv_blocks=64,
+                               enforce_eager=True) == 0
+    lines = {d["figure"]: d for d in map(json.loads, out.read_text().splitlines())}
+    row, serve = lines["baseline_llama_cpp"], lines["serve"]
+    assert row["baseline_completed"] == 6 and row["baseline_failed"] == 0
+    assert row["baseline_output_tokens"] == serve["output_tokens"]  # ignore_eos honoured by both servers
+    assert row["ratio"] == pytest.approx(serve["output_tokens_per_s"] / row["baseline_output_tokens_per_s"])
