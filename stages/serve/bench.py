@@ -179,14 +179,17 @@ async def _one(session, url: str, model: str, req: BenchRequest, extra: dict | N
 
 
 async def run_load(base_url: str, model: str, reqs: list[BenchRequest], concurrency: int | None,
-                   request_rate: float, seed: int, extra: dict | None = None) -> tuple[list[RequestTiming], float]:
+                   request_rate: float, seed: int, extra: dict | None = None,
+                   keep_alive: bool = True) -> tuple[list[RequestTiming], float]:
     """The client side (aiohttp, as vLLM's benchmark uses: its C parser keeps the client cheap).
-    `extra`: fields added to every request's body (the json_schema workload's response_format)."""
+    `extra`: fields added to every request's body (the json_schema workload's response_format).
+    `keep_alive=False`: a connection per request (llama-server closes a kept-alive connection after
+    a few requests, which a client reusing it sees as a failed request)."""
     import aiohttp
 
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency or len(reqs))
-    conn = aiohttp.TCPConnector(limit=(concurrency or len(reqs)) + 8)
+    conn = aiohttp.TCPConnector(limit=(concurrency or len(reqs)) + 8, force_close=not keep_alive)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         async def gated(r):
@@ -567,7 +570,8 @@ def bench_serve_command(
                                threads or torch.get_num_threads())
             if peer is not None:
                 asyncio.run(run_load(peer[1], model, make_requests(tokenizer, 2, input_len, output_len, range_ratio,
-                                                                   seed + 999), 2, float("inf"), seed))  # warm-up
+                                                                   seed + 999), 2, float("inf"), seed,
+                                                    keep_alive=False))  # warm-up
         sweep: list[dict[str, Any]] = []
         for i, c in enumerate(concurrency_sweep or []):  # first, on the fresh server: no warm-up of any size
             sreqs = make_requests(tokenizer, max(2 * c, 16), input_len, output_len, range_ratio, seed + 500 + i)
@@ -588,8 +592,8 @@ def bench_serve_command(
             if model_dir is not None and in_process:
                 r["engine"] = summarize(*run_engine_load(model_dir, reqs, concurrency, **engine_options), slos)
             if peer is not None:  # llama.cpp's server on the same requests, by the same client
-                r["llama_cpp"] = summarize(*asyncio.run(run_load(peer[1], model, reqs, concurrency, request_rate, seed)),
-                                           slos)
+                r["llama_cpp"] = summarize(*asyncio.run(run_load(peer[1], model, reqs, concurrency, request_rate, seed,
+                                                                 keep_alive=False)), slos)
             if "hf" in baselines:
                 pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
                 r["hf"] = hf_baselines(model_dir, reqs, concurrency or 32,
