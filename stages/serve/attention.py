@@ -12,8 +12,9 @@ over [kv_heads, S sequences, K keys, head_dim], its K/V taken from one of three 
   only among themselves.
 Because groups are runs of consecutive rows in order, the attention output is the groups' outputs
 one after the other: no scatter, and a group whose queries fill its [S, Q] grid (no padding) reads
-its rows as a view. Every size the compiled step needs is read off tensor shapes, not Python ints,
-so that one compiled graph serves every batch.
+its rows as a view. Sizes (sequences, queries, keys, rows) are read off tensor shapes rather than
+kept as Python ints, so that they stay symbolic when the pass is compiled and one graph serves every
+batch.
 """
 
 from __future__ import annotations
