@@ -1,7 +1,8 @@
 """The serving engine (seed chapter "serving"): a paged KV cache over a block pool with prefix
 caching (kv_cache.py), requests (request.py) and a scheduler that is pure bookkeeping over a
 per-step token budget (scheduler.py), a paged-attention Llama forward over a Hugging Face checkpoint
-(model.py; mixture-of-experts layers of Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints: moe.py; INT4
+(model.py; one pass through its layers, run eagerly or compiled whole: layer_pass.py, compiled_forward.py;
+the attention of a step's groups of sequences: attention.py; mixture-of-experts layers of Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints: moe.py; INT4
 pack-quantized, INT8 W8A8 and GGUF Q8_0/Q4_0 weights stay packed in memory: quant_linear.py,
 gguf_loader.py; PEFT LoRA adapters applied per row of the batch: lora.py), contiguous K/V rows that
 decoding requests read in place

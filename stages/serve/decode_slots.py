@@ -18,13 +18,12 @@ Costs `max_num_seqs x longest context in flight` of extra K/V memory, grown on d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from .attention import AttentionGroup, AttentionMetadata, SlotWrite, build_attention_metadata
 from .lora import LoRAAdapter, LoRAStep
-from .model import AttentionGroup, AttentionMetadata, KVCacheTensors, LlamaShape, build_attention_metadata
+from .model import KVCacheTensors, LlamaShape
 from .request import Request, RequestStatus
 
 
@@ -122,29 +121,6 @@ class DecodeSlots:
         return slot
 
 
-@dataclass
-class DenseStep:
-    """This step's decode rows [row0, row0 + n) of the flat batch, their slots and positions."""
-
-    slots: DecodeSlots
-    lo: int  # first slot of the attended run
-    hi: int  # one past its last
-    context: int  # keys attended: the longest context among the rows
-    row0: int
-    dest: torch.Tensor  # [n] slot * capacity + position: where each row's K/V go
-
-    def write(self, layer: int, kv_new: torch.Tensor) -> None:
-        """kv_new: the step's K and V, [2, kv_heads, T, head_dim]; rows row0.. are this step's."""
-        kv = self.slots.kv[layer]
-        two, kvh, S, cap, d = kv.shape
-        x = kv_new[:, :, self.row0:] if self.row0 else kv_new
-        kv.view(two, kvh, S * cap, d).index_copy_(2, self.dest, x)
-
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.slots.kv[layer]
-        return kv[0, :, self.lo:self.hi, : self.context], kv[1, :, self.lo:self.hi, : self.context]
-
-
 def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
@@ -155,23 +131,35 @@ def _within(lens: np.ndarray) -> np.ndarray:
     return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lens, lens)
 
 
-def prompt_layout(lens: np.ndarray, n_decode: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Whole prompts of these lengths after `n_decode` decode rows (run_decodes): each prompt token's
-    position, the additive [P, P] mask (causal within a prompt, blocked across prompts) and the rows
+def _causal_mask(qpos: np.ndarray, ctx: int) -> np.ndarray:
+    """Additive [..., ctx] mask of queries at positions `qpos` over keys 0..ctx-1 (built once for all
+    layers: a boolean mask is converted by every SDPA call)."""
+    return np.where(np.arange(ctx) > qpos[..., None], np.float32(-np.inf), np.float32(0.0))
+
+
+def prompt_group(lens: np.ndarray, n_decode: int, group: int, dtype: torch.dtype,
+                 dev: torch.device) -> tuple[np.ndarray, AttentionGroup, np.ndarray]:
+    """Whole prompts of these lengths after `n_decode` decode rows (run_decodes), attending among
+    themselves over this step's own K/V: each prompt token's position, their attention group (one
+    "sequence" of all the prompt rows, causal within a prompt, blocked across prompts) and the rows
     whose logits are wanted (every decode, then each prompt's last token)."""
     pos = _within(lens)
     doc = np.repeat(np.arange(len(lens)), lens)
     visible = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
-    return pos, mask, np.concatenate((np.arange(n_decode), n_decode + np.cumsum(lens) - 1))
+    # rows are (query, head-in-group) pairs, as in every group: [1, 1, P*group, P]
+    mask = _to(np.repeat(mask, group, axis=0), dev).to(dtype)[None, None]
+    rows = np.concatenate((np.arange(n_decode), n_decode + np.cumsum(lens) - 1))
+    return pos, AttentionGroup(mask, int(lens.sum())), rows
 
 
 def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, group: int,
                 dtype: torch.dtype, dev: torch.device,
-                nq: np.ndarray | None = None) -> tuple[AttentionGroup, DenseStep]:
+                nq: np.ndarray | None = None) -> tuple[AttentionGroup, SlotWrite]:
     """The attention group of the decodes at flat rows row0.., in slot order `sl`: sequence i
     feeds `nq[i]` tokens (default 1; 1 + its draft tokens when verifying a speculation) from
-    position `pos[i]`, its rows consecutive. One padded SDPA call over the run of slots they span."""
+    position `pos[i]`, its rows consecutive. One padded SDPA call over the run of slots they span,
+    read in place; and where each row's K/V go in the slots."""
     n = len(sl)
     lo, hi = int(sl[0]), int(sl[-1]) + 1
     S = hi - lo
@@ -180,35 +168,25 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
         slots.ensure_capacity(ctx)
         qpos = np.zeros(S, dtype=np.int64)  # a free slot in the run is a dummy row seeing key 0, discarded
         qpos[sl - lo] = pos
-        # additive, built once for all layers (a boolean mask is converted by every SDPA call)
-        mask = np.where(np.arange(ctx)[None, :] > qpos[:, None], np.float32(-np.inf), np.float32(0.0))
-        mask = _to(mask, dev).to(dtype)[None, :, None, :].expand(1, S, group, ctx)
-        step = DenseStep(slots, lo, hi, ctx, row0, _to(sl * slots.capacity + pos, dev))
-        if S == n:  # no free slot inside the run: the rows are the queries as they are
-            rows = _to(np.arange(row0, row0 + n), dev)  # (torch.arange costs ~10x more here)
-            g = AttentionGroup(rows[:, None], torch.ones(n, 1, dtype=torch.bool, device=dev), rows, None,  # type: ignore[arg-type]
-                               mask, (row0, row0 + n), dense=step)
-            return g, step
-        token_index = np.full(S, row0, dtype=np.int64)
-        valid = np.zeros(S, dtype=bool)
-        token_index[sl - lo] = row0 + np.arange(n)
-        valid[sl - lo] = True
-        g = AttentionGroup(_to(token_index[:, None], dev), _to(valid[:, None], dev), _to(token_index[valid], dev),
-                           None, mask, None, dense=step)  # type: ignore[arg-type]
-        return g, step
+        mask = _to(_causal_mask(qpos, ctx), dev).to(dtype)[None, :, None, :].expand(1, S, group, ctx)
+        g = AttentionGroup(mask, n, slot_kv=slots.kv, slot_lo=lo)
+        if S != n:  # free slots inside the run: the queries are padded to it
+            token_index = np.full(S, row0, dtype=np.int64)
+            valid = np.zeros(S, dtype=bool)
+            token_index[sl - lo] = row0 + np.arange(n)
+            valid[sl - lo] = True
+            g.token_index, g.valid = _to(token_index[:, None], dev), _to(valid[:, None], dev)
+        return g, SlotWrite(slots.kv, _to(sl * slots.capacity + pos, dev), row0)
     qmax = int(nq.max())
     ctx = int((pos + nq).max())
     slots.ensure_capacity(ctx)
     q_ar = np.arange(qmax)
-    if S == n and (n == 1 or bool((nq == qmax).all())):  # no hole, every sequence verifies as many drafts
+    if S == n and bool((nq == qmax).all()):  # no hole, every sequence verifies as many drafts
         qpos = pos[:, None] + q_ar  # [n, qmax]: query j sits at pos + j and sees keys 0..pos+j (causal)
-        mask = np.where(np.arange(ctx) > qpos[:, :, None], np.float32(-np.inf), np.float32(0.0))
-        mask = _to(np.repeat(mask, group, axis=1), dev).to(dtype)[None]
-        step = DenseStep(slots, lo, hi, ctx, row0, _to((sl[:, None] * slots.capacity + qpos).ravel(), dev))
-        rows = _to(np.arange(row0, row0 + n * qmax), dev)
-        g = AttentionGroup(rows.view(n, qmax), torch.ones(n, qmax, dtype=torch.bool, device=dev), rows, None,  # type: ignore[arg-type]
-                           mask, (row0, row0 + n * qmax), dense=step)
-        return g, step
+        # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
+        mask = _to(np.repeat(_causal_mask(qpos, ctx), group, axis=1), dev).to(dtype)[None]
+        return (AttentionGroup(mask, n * qmax, slot_kv=slots.kv, slot_lo=lo),
+                SlotWrite(slots.kv, _to((sl[:, None] * slots.capacity + qpos).ravel(), dev), row0))
     within = np.minimum(q_ar[None, :], nq[:, None] - 1)  # [n, qmax]; padding repeats the last query
     first = row0 + np.cumsum(nq) - nq  # flat row of each sequence's first token
     token_index = np.full((S, qmax), row0, dtype=np.int64)
@@ -217,14 +195,10 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
     token_index[sl - lo] = first[:, None] + within
     valid[sl - lo] = q_ar[None, :] < nq[:, None]
     qpos[sl - lo] = pos[:, None] + within
-    mask = np.where(np.arange(ctx)[None, None, :] > qpos[:, :, None], np.float32(-np.inf), np.float32(0.0))
-    # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
-    mask = _to(np.repeat(mask, group, axis=1), dev).to(dtype)[None]
+    mask = _to(np.repeat(_causal_mask(qpos, ctx), group, axis=1), dev).to(dtype)[None]
     row_pos = np.repeat(pos, nq) + _within(nq)
-    step = DenseStep(slots, lo, hi, ctx, row0, _to(np.repeat(sl, nq) * slots.capacity + row_pos, dev))
-    g = AttentionGroup(_to(token_index, dev), _to(valid, dev), _to(token_index[valid], dev), None,  # type: ignore[arg-type]
-                       mask, None, dense=step)
-    return g, step
+    g = AttentionGroup(mask, int(nq.sum()), _to(token_index, dev), _to(valid, dev), slot_kv=slots.kv, slot_lo=lo)
+    return g, SlotWrite(slots.kv, _to(np.repeat(sl, nq) * slots.capacity + row_pos, dev), row0)
 
 
 def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray,
@@ -249,20 +223,21 @@ def run_decodes(model, cache: KVCacheTensors, slots: DecodeSlots, sl: np.ndarray
         lens += [len(ids) for ids, _ in prompts or []]
         lora = LoRAStep.from_runs(zip(adapters, lens), dev)
     group = model.shape.num_heads // model.shape.num_kv_heads
-    g, step = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
+    g, write = dense_group(slots, sl, pos, 0, group, model.dtype, dev, nq)
     bs = cache.block_size
     row_pos = pos if nq is None else np.repeat(pos, nq) + _within(nq)
-    if not prompts:
-        meta = AttentionMetadata(_to(blk * bs + row_pos % bs, dev), _to(row_pos, dev), [g], dense=step)
-        return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, None, lora)
-    lens = np.fromiter((len(ids) for ids, _ in prompts), dtype=np.int64, count=len(prompts))
-    p_pos, p_mask, logits_rows = prompt_layout(lens, len(tokens))
-    p_blk = np.concatenate([np.asarray(blocks, dtype=np.int64)[np.arange(len(ids)) // bs] for ids, blocks in prompts])
-    meta = AttentionMetadata(_to(np.concatenate((blk * bs + row_pos % bs, p_blk * bs + p_pos % bs)), dev),
-                             _to(np.concatenate((row_pos, p_pos)), dev), [g], dense=step,
-                             prefill_mask=_to(p_mask, dev).to(model.dtype))
-    ids = tokens + [t for p, _ in prompts for t in p]
-    return model.forward(torch.tensor(ids, dtype=torch.long, device=dev), meta, cache, _to(logits_rows, dev), lora)
+    slot_mapping, positions, groups, logits_rows = blk * bs + row_pos % bs, row_pos, [g], None
+    if prompts:
+        lens = np.fromiter((len(ids) for ids, _ in prompts), dtype=np.int64, count=len(prompts))
+        p_pos, p_group, rows = prompt_group(lens, len(tokens), group, model.dtype, dev)
+        p_blk = np.concatenate([np.asarray(blocks, dtype=np.int64)[np.arange(len(ids)) // bs] for ids, blocks in prompts])
+        slot_mapping = np.concatenate((slot_mapping, p_blk * bs + p_pos % bs))
+        positions = np.concatenate((row_pos, p_pos))
+        groups.append(p_group)
+        tokens = tokens + [t for p, _ in prompts for t in p]
+        logits_rows = _to(rows, dev)
+    meta = AttentionMetadata(_to(slot_mapping, dev), _to(positions, dev), groups, write)
+    return model.forward(torch.tensor(tokens, dtype=torch.long, device=dev), meta, cache, logits_rows, lora)
 
 
 def run_with_slots(
@@ -308,7 +283,7 @@ def run_with_slots(
         pos = np.fromiter((seqs[i][1] for i in dense), dtype=np.int64, count=len(dense))
         nq = np.fromiter((len(seqs[i][2]) for i in dense), dtype=np.int64, count=len(dense))
         multi = bool((nq > 1).any())
-        g, step = dense_group(slots, sl, pos, row0, group, model.dtype, dev, nq if multi else None)
+        g, write = dense_group(slots, sl, pos, row0, group, model.dtype, dev, nq if multi else None)
         row_pos = [p + j for i, p in zip(dense, pos.tolist()) for j in range(len(seqs[i][2]))] if multi else pos.tolist()
         row_seq = [i for i in dense for _ in seqs[i][2]] if multi else dense
         blk = np.fromiter((seqs[i][0][p // bs] for i, p in zip(row_seq, row_pos)), dtype=np.int64, count=len(row_pos))
@@ -316,7 +291,7 @@ def run_with_slots(
         meta.groups.append(g)
         meta.slot_mapping = torch.cat((meta.slot_mapping, _to(blk * bs + row_pos % bs, dev)))
         meta.positions = torch.cat((meta.positions, _to(row_pos, dev)))
-        meta.dense = step
+        meta.slot_write = write
     lora = None if adapters is None else \
         LoRAStep.from_runs(((adapters[i], len(seqs[i][2])) for i in order + dense), dev)
     return model.forward(

@@ -5,7 +5,10 @@ the HF names: what the export stage writes and what vLLM loads). Every token of 
 chunks, decodes, draft tokens to verify) goes through each matmul together; only attention is
 per sequence: each layer first writes the step's K/V into their cache slots, then every sequence
 attends over the K/V gathered from its block table (PagedAttention's indirection, done with a
-gather and SDPA, which runs on CPU and CUDA alike).
+gather and SDPA, which runs on CPU and CUDA alike), or read in place from its decode slot.
+`forward` prepares a step (RoPE rows, each layer's weights) and hands it to the one pass through
+the layers (layer_pass.py; attention over the step's groups in attention.py), eager or compiled
+(compiled_forward.py).
 
 Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE: what the export stage writes) load
 too: their sparse layers' MLP is moe.py's token-grouped expert computation, the rest is unchanged.
@@ -13,18 +16,16 @@ too: their sparse layers' MLP is moe.py's token-grouped expert computation, the 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .compiled_forward import EagerPieces
+from .attention import AttentionGroup, AttentionMetadata, build_attention_metadata  # noqa: F401 - re-exported
 from .gguf_loader import find_gguf, load_gguf
+from .layer_pass import LayerPass
 from .lora import LoRAAdapter, LoRAStep
 from .moe import MoEWeights
 from .quant_linear import take_quantized
@@ -184,87 +185,6 @@ def rope_inv_freq(shape: LlamaShape) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
 
 
-@dataclass
-class AttentionGroup:
-    """Sequences attended together in one padded SDPA call."""
-
-    token_index: torch.Tensor  # [S, Qmax] rows of the flat batch (padding repeats a valid row)
-    valid: torch.Tensor  # [S, Qmax] bool: real query rows
-    valid_rows: torch.Tensor  # [n] token_index[valid]: where the outputs go
-    block_tables: torch.Tensor  # [S, Bmax] block ids (padding: 0, masked out)
-    mask: torch.Tensor  # [1, S, Qmax*group, Bmax*block_size] bool: key visible to query row
-    row_range: tuple[int, int] | None = None  # set when the group's rows are one contiguous run, all Q equal
-    dense: object | None = None  # decode_slots.DenseStep: K/V read in place from decode slots, not gathered
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot (block_id * block_size + offset) of each token
-    positions: torch.Tensor  # [T] position of each token in its sequence
-    groups: list[AttentionGroup]
-    dense: object | None = None  # decode_slots.DenseStep: these rows' K/V also go to their decode slots
-    # [P, P] additive: the last P rows are whole prompts from position 0 that attend among themselves
-    # (the compiled step's decodes-and-prompts case, compiled_forward.dense_decode)
-    prefill_mask: torch.Tensor | None = None
-
-
-def build_attention_metadata(
-    seqs: list[tuple[list[int], int, int]],
-    block_size: int,
-    device: torch.device,
-    query_group: int = 1,
-    short_query: int = 16,
-    group_size: int = 16,
-) -> AttentionMetadata:
-    """`seqs`: per sequence (block ids, start position, number of new tokens), in flat-batch order.
-
-    Sequences with at most `short_query` new tokens (decodes, verifications, short chunks) share one
-    padded SDPA call; longer prefill chunks get one call each, so a long prompt does not pad the rest.
-    Built with a handful of vectorised ops: this runs every step, for every request."""
-    # numpy, not torch: these are tiny integer arrays and numpy's per-op cost is a tenth of torch's
-    n = len(seqs)
-    lens = np.fromiter((q for _, _, q in seqs), dtype=np.int64, count=n)
-    starts = np.fromiter((st for _, st, _ in seqs), dtype=np.int64, count=n)
-    nblocks = -(-(starts + lens) // block_size)
-    bmax = int(nblocks.max())
-    bt = np.zeros((n, bmax), dtype=np.int64)
-    for i, ((b, _, _), nb) in enumerate(zip(seqs, nblocks.tolist())):
-        bt[i, :nb] = b[:nb]
-    offsets = np.cumsum(lens) - lens
-    seq_of = np.repeat(np.arange(n), lens)
-    positions = starts[seq_of] + np.arange(int(lens.sum())) - offsets[seq_of]
-    slots = bt[seq_of, positions // block_size] * block_size + positions % block_size
-
-    # short queries sorted by context length and cut into groups of `group_size`: each group pads its
-    # K/V only to its own longest context, which cuts the bytes gathered per step (the step's main
-    # memory traffic) when contexts differ, for a few more (cheap) calls
-    short = [i for i in np.argsort(starts + lens, kind="stable").tolist() if lens[i] <= short_query]
-    parts = [short[j:j + group_size] for j in range(0, len(short), group_size)]
-    parts += [[i] for i in range(n) if lens[i] > short_query]
-    groups = []
-    for idx in parts:
-        sel = np.asarray(idx)
-        g_lens, g_starts, g_off = lens[sel], starts[sel], offsets[sel]
-        qmax = int(g_lens.max())
-        g_bmax = int(nblocks[sel].max())
-        q_ar = np.arange(qmax)
-        valid = q_ar[None, :] < g_lens[:, None]
-        within = np.minimum(q_ar[None, :], g_lens[:, None] - 1)
-        token_index = g_off[:, None] + within
-        # query i of a sequence sits at position start + i and sees keys 0..start+i (causal)
-        qpos = g_starts[:, None] + within
-        mask = np.arange(g_bmax * block_size)[None, None, :] <= qpos[:, :, None]  # [S, Q, K]
-        # rows are (query, head-in-group) pairs, batched over (kv head, sequence): [1, S, Q*group, K]
-        mask = np.repeat(mask, query_group, axis=1)[None]
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        flat_rows = token_index[valid]
-        contiguous = bool(valid.all()) and bool((np.diff(flat_rows) == 1).all())
-        row_range = (int(flat_rows[0]), int(flat_rows[-1]) + 1) if contiguous else None
-        groups.append(AttentionGroup(t(token_index), t(valid), t(flat_rows), t(bt[sel, :g_bmax]), t(mask), row_range))
-    slots, positions = torch.from_numpy(slots), torch.from_numpy(positions)
-    return AttentionMetadata(slots.to(device), positions.to(device), groups)
-
-
 class KVCacheTensors:
     """K and V of every layer in one tensor per layer, [2, kv_heads, num_blocks * block_size, head_dim],
     in the model's dtype or in float8 e4m3 with a float32 scale per (K/V, head, slot): an FP8 cache
@@ -361,7 +281,8 @@ class PagedLlama:
         self.device = device
         self.quantization_config = quantization_config  # config.json's (compressed-tensors), if any
         self.load_weights(state_dict)
-        self.pieces: EagerPieces = EagerPieces(shape)  # compile() swaps in CompiledPieces
+        # how the layers run: LayerPass eagerly; compile() swaps in compiled_forward.CompiledLayerPass
+        self.pieces: LayerPass = LayerPass(shape)
         inv = rope_inv_freq(shape)
         pos = torch.arange(shape.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(pos, inv)
@@ -449,9 +370,9 @@ class PagedLlama:
     def compile(self) -> bool:
         """Run all-decode steps compiled (compiled_forward.py; warmed up by the engine, which owns
         the caches); False, with a logged warning, when the model cannot be and stays eager."""
-        from .compiled_forward import CompiledPieces
+        from .compiled_forward import CompiledLayerPass
 
-        pieces = CompiledPieces.build(self)
+        pieces = CompiledLayerPass.build(self)
         if pieces is not None:
             self.pieces = pieces
         return pieces is not None
@@ -465,71 +386,16 @@ class PagedLlama:
         logits_index: torch.Tensor | None,  # [N] rows whose logits are wanted (None: every row)
         lora: LoRAStep | None = None,  # the rows that use LoRA adapters (lora.py); None: base model only
     ) -> torch.Tensor:
-        s = self.shape
-        T = input_ids.shape[0]
-        nh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
-        cos = self.cos[meta.positions][:, None, :]  # [T, 1, d]
-        qk_norm = self.layers[0]["q_norm"] is not None
         # RoPE as q*cos + rotate_half(q)*sin (q/k-norm models) or q*cos + roll(q)*sin_signed
-        sin = (self.sin if qk_norm else self.sin_signed)[meta.positions][:, None, :]
-        # one attention group covering every row in order (an all-decode step over a full run of
-        # decode slots): its output is the attention output itself, no scatter into a buffer
-        whole = len(meta.groups) == 1 and meta.groups[0].row_range == (0, T)
+        cos = self.cos[meta.positions][:, None, :]  # [T, 1, d]
+        sin = (self.sin if self.layers[0]["q_norm"] is not None else self.sin_signed)[meta.positions][:, None, :]
+        weights = [self.layer_weights(li, lora) for li in range(len(self.layers))]
         pieces = self.pieces
-        layer_weights = self.layer_weights
-        if lora is not None:  # adapter rows: the eager pieces, through the adapted weights
-            pieces = pieces.eager if pieces.compiled else pieces
-            layer_weights = functools.partial(self.layer_weights, lora=lora)
-        if meta.prefill_mask is not None or (whole and pieces.compiled and logits_index is None and not cache.fp8):
-            g = meta.groups[0]
-            # an all-decode step (drafts to verify or not), or decodes plus whole prompts: one compiled call
-            if g.dense is not None:
-                st = g.dense
-                weights = [layer_weights(li) for li in range(len(self.layers))]
-                return pieces.dense_decode(input_ids, self.embed, cos, sin, meta.slot_mapping, st.dest, g.mask,
-                                           cache.kv, st.slots.kv, weights, self.final_norm, self.lm_head, st.lo,
-                                           meta.prefill_mask, logits_index)
-        x = self.embed[input_ids]
-        scale = 1.0 / math.sqrt(d)
-        group = nh // kvh
-        n_layers = len(self.layers)
-        attn_in, attn_out = layer_weights(0)
-        q, kv_new = pieces.first(x, attn_in, cos, sin)
-        for li in range(n_layers):
-            # the token-wise math (norms, projections, RoPE, MLP) is in `pieces` (compiled_forward.py)
-            # write first, then read: every sequence sees this step's K/V of its own earlier tokens
-            cache.write_stacked(li, meta.slot_mapping, kv_new)  # kv_new: [2, kvh, T, d]
-            if meta.dense is not None:
-                meta.dense.write(li, kv_new)
-            attn = None if whole else torch.empty(T, nh, d, dtype=x.dtype, device=x.device)
-            for g in meta.groups:
-                # [kvh, S, K, d]: read in place from decode slots, or gathered through the block tables
-                kk, vv = g.dense.read(li) if g.dense is not None else cache.gather(li, g.block_tables)
-                S, Q = g.token_index.shape
-                # GQA without repeating K/V: the `group` query heads sharing a KV head become extra
-                # query rows of that head, [kvh, S, Q*group, d] (HF's repeat_kv: head h uses kv h // group)
-                if g.row_range is not None:  # rows in place: a view, no gather
-                    a, b = g.row_range
-                    qq = q[a:b].reshape(S, Q, kvh, group, d)
-                else:
-                    qq = q[g.token_index].view(S, Q, kvh, group, d)
-                qq = qq.permute(2, 0, 1, 3, 4).reshape(kvh, S, Q * group, d)
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=scale)
-                o = o.view(kvh, S, Q, group, d).permute(1, 2, 0, 3, 4)
-                if whole:
-                    attn = o.reshape(T, nh, d)
-                elif g.row_range is not None:
-                    attn[a:b] = o.reshape(S * Q, nh, d)
-                else:
-                    attn[g.valid_rows] = o.reshape(S, Q, nh, d)[g.valid]
-            if li + 1 < n_layers:
-                next_in, next_out = layer_weights(li + 1)
-                x, q, kv_new = pieces.between(x, attn, attn_out, next_in, cos, sin)
-                attn_out = next_out
-            else:
-                x = pieces.last(x, attn, attn_out)
-                return pieces.head(x if logits_index is None else x[logits_index], self.final_norm, self.lm_head)
-        raise AssertionError("unreachable: a model has at least one layer")
+        # adapter rows run eagerly, through the adapted weights; so does any step not warmed up
+        if lora is not None or not pieces.covers(meta, cache, logits_index):
+            pieces = pieces.eager
+        return pieces.run(input_ids, self.embed, cos, sin, weights, self.final_norm, self.lm_head, cache, meta,
+                          logits_index)
 
 
 def run_paged(

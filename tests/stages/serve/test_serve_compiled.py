@@ -92,3 +92,35 @@ def test_serve_compiles_by_default_and_enforce_eager_turns_it_off(monkeypatch):
     with pytest.raises(SystemExit):  # not a boolean
         main(["serve", "m", "--enforce-eager", "maybe"])
     assert EngineConfig().enforce_eager is True  # engines built in-process (evaluate, GRPO) stay eager
+
+
+@pytest.mark.parametrize("working_calls", [0, 3])
+def test_a_compile_that_fails_falls_back_to_eager_with_the_same_tokens(tiny_hf_model_dir, monkeypatch, working_calls):
+    """torch.compile stood in by a wrapper that runs the layer pass eagerly for `working_calls` calls
+    and then raises as a failing compiler would: during the warm-up (0) the engine starts eager;
+    after it (3: the warm-up's variants without speculation) the failing step is redone eagerly and
+    the engine runs eager from then on. Either way the tokens are the eager engine's."""
+    import stages.serve.compiled_forward as compiled_forward
+    from stages.serve.layer_pass import LayerPass
+
+    prompts = [[5 + (j % (3 + i)) for j in range(12 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = dict(num_kv_blocks=64, max_num_seqs=8)
+    want = [o.token_ids for o in LLMEngine(tiny_hf_model_dir, EngineConfig(**cfg)).generate(prompts, params)]
+
+    calls = []
+
+    def failing_compile(fn):
+        def run(*args):
+            calls.append(len(args))
+            if len(calls) > working_calls:
+                raise RuntimeError("inductor: no C++ compiler")
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(compiled_forward.torch, "compile", failing_compile)
+    engine = LLMEngine(tiny_hf_model_dir, EngineConfig(enforce_eager=False, **cfg))
+    assert engine.model.pieces.compiled is bool(working_calls) and (engine.compile_seconds > 0) is bool(working_calls)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert type(engine.model.pieces) is LayerPass and len(calls) == working_calls + 1
+    assert got == want

@@ -113,7 +113,7 @@ class ForwardSpy:
                 n = T if rows is None else (rows.stop - rows.start) if isinstance(rows, slice) else int(rows.numel())
                 groups[adapter.name] = n
             self.calls.append((T, groups))
-            self.joined.append(bool(groups) and meta.prefill_mask is not None)
+            self.joined.append(bool(groups) and meta.prompts_join)
             return self.inner(input_ids, meta, cache, logits_index, lora)
 
         model.forward = forward
