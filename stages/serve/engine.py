@@ -21,7 +21,8 @@ import torch
 
 from .decode_slots import DecodeSlots
 from .gguf_loader import find_gguf
-from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, num_blocks_for_budget, prefix_block_hashes
+from .kv_budget import KVBudget, plan_kv_budget, slot_bytes
+from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, prefix_block_hashes
 from .lora import LoRAAdapter, load_lora_adapter
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
@@ -44,9 +45,10 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_gb: float = 0.25
-    """Memory budget of the KV cache; the number of blocks follows from the per-token size."""
+    """Memory budget of the KV cache: the paged pool and the decode slots' rows together (kv_budget.py);
+    the number of blocks follows from the per-token size and what the rows reserve."""
     num_kv_blocks: int | None = None
-    """Override the block count (tests use tiny pools to force preemption)."""
+    """Override the block count (tests use tiny pools to force preemption); the budget is then not applied."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model's dtype) or "fp8" (e4m3 with a scale per slot and head)."""
     enable_prefix_caching: bool = True
@@ -233,14 +235,28 @@ class LLMEngine:
                                  "the draft must share the target's tokenizer")
             per_token += kv_bytes_per_token(ds.num_layers, ds.num_kv_heads, ds.head_dim, dtype.itemsize)
         self.kv_bytes_per_token = per_token
-        num_blocks = c.num_kv_blocks or num_blocks_for_budget(int(c.kv_cache_memory_gb * 2**30), c.block_size, per_token)
+        # the decode slots' rows hold the target's K/V once more: paid for out of the same budget
+        slot_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype.itemsize) \
+            if c.decode_slots and not fp8 else 0
+        if c.num_kv_blocks:  # the pool given outright (tests): no budget to split, rows may grow to a whole context
+            num_blocks, row_capacity = c.num_kv_blocks, self.max_model_len + 1 if slot_per_token else None
+            self.kv_budget = KVBudget(num_blocks, row_capacity, num_blocks * c.block_size * per_token,
+                                      slot_bytes(c.max_num_seqs, row_capacity, shape.num_layers, slot_per_token,
+                                                 DecodeSlots.INITIAL_CAPACITY) if row_capacity else 0)
+        else:
+            self.kv_budget = plan_kv_budget(int(c.kv_cache_memory_gb * 2**30), block_size=c.block_size,
+                                            pool_bytes_per_token=per_token, max_model_len=self.max_model_len,
+                                            num_slots=c.max_num_seqs, slot_bytes_per_token=slot_per_token,
+                                            num_layers=shape.num_layers, initial_capacity=DecodeSlots.INITIAL_CAPACITY)
+            num_blocks, row_capacity = self.kv_budget.num_blocks, self.kv_budget.slot_row_capacity
+        log.info("%s: %s", self.model_name, self.kv_budget.describe(c.block_size, c.max_num_seqs))
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.cache = KVCacheTensors(shape, num_blocks, c.block_size, dtype, self.model.device, fp8=fp8)
         k = c.num_speculative_tokens if c.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, k, self.max_model_len), self.kv)
         slots = None
-        if c.decode_slots and not fp8:
-            slots = DecodeSlots(shape, c.max_num_seqs, self.max_model_len, dtype, self.model.device)
+        if row_capacity is not None:
+            slots = DecodeSlots(shape, c.max_num_seqs, row_capacity, dtype, self.model.device)
         self.compile_seconds = 0.0
         if not c.enforce_eager:
             if slots is None:  # what is compiled is the decode-slot step
