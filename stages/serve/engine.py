@@ -3,8 +3,8 @@ API the evaluate stage and GRPO rollouts use (`generate`, `score`, `update_weigh
 
 One step: the scheduler splits the token budget, the runner does one forward and samples, the
 scheduler books the result, stop strings are checked on the detokenised text, and the proposer
-guesses the next draft tokens. Nothing here is thread-safe; `AsyncEngine` (async_engine.py) drives
-it from the server's event loop.
+guesses the next draft tokens. Nothing here is thread-safe; `AsyncEngine` (async_engine.py) steps
+it on a thread of its own, the only one that changes it, for the server's event loop.
 """
 
 from __future__ import annotations
@@ -331,9 +331,20 @@ class LLMEngine:
         """Queue a request. `hold_kv`: when it finishes, keep its full prompt blocks referenced
         (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests).
         `lora_name`: a loaded LoRA adapter it runs with (LookupError when none is loaded by that name)."""
+        return self.enqueue(self.make_request(prompt, params, request_id, lora_name), hold_kv)
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, lora_name: str | None = None) -> Request:
+        """A request ready to queue: tokenised, checked, its grammar compiled and its adapter resolved,
+        with nothing in the engine changed (the server prepares requests on its event loop while the
+        engine thread steps, async_engine.py). ValueError / LookupError as add_request."""
         req = self._new_request(prompt, params or SamplingParams(), request_id or f"req-{next(self._ids)}")
         if lora_name is not None:
             req.lora = self.lora_adapter(lora_name)
+        return req
+
+    def enqueue(self, req: Request, hold_kv: bool = False) -> str:
+        """Queue a request made by make_request (`hold_kv` as add_request)."""
         self._enqueue(req)
         if hold_kv:
             self._kv_hold.add(req.request_id)
