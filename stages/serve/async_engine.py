@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -26,6 +27,8 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from .engine import LLMEngine, PrefilledRequest, RequestOutput
 from .request import Request
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # an idle engine thread checks this often whether its AsyncEngine is gone
 
@@ -50,6 +53,15 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     """On a loop: one step's outputs (or errors) into their requests' queues."""
     for q, item in items:
         q.put_nowait(item)
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> bool:
+    """From the engine thread: queue items on their loop; False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -192,8 +204,9 @@ class AsyncEngine:
     def _add(self, req: Request, hold_kv: bool, stream: _Stream) -> None:
         try:
             self.engine.enqueue(req, hold_kv=hold_kv)
-        except Exception as e:  # noqa: BLE001 - the request's stream gets the error, the thread goes on
-            stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, RuntimeError(f"engine refused the request: {e!r}"))])
+        except Exception as e:  # noqa: BLE001 - that request fails, the others go on
+            self.engine.abort_request(req.request_id)
+            _hand_back(stream.loop, [(stream.queue, RuntimeError(f"the engine could not queue the request: {e!r}"))])
             return
         self._routes[req.request_id] = stream
 
@@ -223,9 +236,7 @@ class AsyncEngine:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, o))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its requests have nobody to stream to
+            if not _hand_back(loop, items):  # that loop is closed: its requests have nobody to stream to
                 for rid in {o.request_id for _, o in items}:
                     self._abort(rid)
 
@@ -236,38 +247,45 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             by_loop.setdefault(stream.loop, []).append((stream.queue, error))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+            _hand_back(loop, items)
 
 
 def _engine_thread(ref: "weakref.ref[AsyncEngine]", inbox: queue.SimpleQueue) -> None:
     """The engine thread: run what was handed over, step while requests are unfinished, sleep on
     the inbox otherwise. Holds its AsyncEngine weakly while idle, so an engine nobody references
     any more (a test's, dropped without shutdown) is freed and its thread ends."""
-    while True:
-        me = ref()
-        if me is None:
-            return
-        busy = me.engine.has_unfinished()
-        del me
-        try:
-            job = inbox.get_nowait() if busy else inbox.get(timeout=_IDLE_POLL_S)
-        except queue.Empty:
-            job = False
-        me = ref()
-        if me is None:
-            return
-        while job is not False:  # everything handed over before this step
-            if job is None:
-                me._fail_all(EngineStopped(f"engine {me.model_name} was shut down"))
+    try:
+        while True:
+            me = ref()
+            if me is None:
                 return
-            job()
+            busy = me.engine.has_unfinished()
+            del me
             try:
-                job = inbox.get_nowait()
+                job = inbox.get_nowait() if busy else inbox.get(timeout=_IDLE_POLL_S)
             except queue.Empty:
                 job = False
-        if me.engine.has_unfinished():
-            me._step()
-        del me
+            me = ref()
+            if me is None:
+                return
+            while job is not False:  # everything handed over before this step
+                if job is None:
+                    me._fail_all(EngineStopped(f"engine {me.model_name} was shut down"))
+                    return
+                try:
+                    job()
+                except Exception:  # noqa: BLE001 - `call` and adds hand their errors back; others are logged
+                    log.exception("engine %s: a job handed to the engine thread failed", me.model_name)
+                try:
+                    job = inbox.get_nowait()
+                except queue.Empty:
+                    job = False
+            if me.engine.has_unfinished():
+                me._step()
+            del me
+    except BaseException as e:  # never leave requests waiting on a thread that is gone
+        me = ref()
+        if me is not None:
+            me.error = e
+            me._fail_all(RuntimeError(f"the engine thread stopped: {e!r}"))
+        raise

@@ -67,12 +67,13 @@ def plan_kv_budget(budget_bytes: int, *, block_size: int, pool_bytes_per_token: 
     per_block = block_size * pool_bytes_per_token
     min_blocks = -(-max_model_len // block_size)
     if budget_bytes < min_blocks * per_block:
+        slots = (f", before the decode slots (max_num_seqs={num_slots} rows of at least {MIN_SLOT_ROW} tokens x "
+                 f"{slot_bytes_per_token} bytes/token)" if num_slots and slot_bytes_per_token else "")
         raise ValueError(
             f"{budget_name}={budget_bytes / 2**30:.4g} ({budget_bytes} bytes) cannot hold one request of "
             f"max_model_len={max_model_len} tokens: the KV pool needs {min_blocks} blocks x {block_size} tokens "
-            f"x {pool_bytes_per_token} bytes/token = {min_blocks * per_block} bytes, before the decode slots "
-            f"(max_num_seqs={num_slots} rows of at least {MIN_SLOT_ROW} tokens x {slot_bytes_per_token} "
-            f"bytes/token). Raise {budget_name} or lower max_model_len (and max_num_seqs)")
+            f"x {pool_bytes_per_token} bytes/token = {min_blocks * per_block} bytes{slots}. "
+            f"Raise {budget_name} or lower max_model_len" + (" (and max_num_seqs)" if slots else ""))
     row = None
     reserved = 0
     if num_slots and slot_bytes_per_token:
