@@ -90,7 +90,7 @@ class EngineConfig:
     decode_slots: bool = True
     """Decoding requests also keep their K/V in one contiguous row each, read in place by decode
     attention (and speculative verification) instead of gathered from blocks every step (off with
-    an FP8 cache)."""
+    an FP8 cache). The max_num_seqs rows are paid for out of kv_cache_memory_gb (kv_budget.py)."""
     enforce_eager: bool = True
     """Run the forward eagerly. False compiles the all-decode step (every request decoding in its
     decode slot, with or without drafts to verify) with torch.compile, warmed up at engine start
