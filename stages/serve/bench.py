@@ -241,7 +241,10 @@ def run_engine_load(model_dir: str, reqs: list[BenchRequest], concurrency: int |
         timings = await asyncio.gather(*[one(sem, r) for r in reqs])
         return timings, time.perf_counter() - t0
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
 
 
 SLO_METRICS = ("ttft", "tpot", "e2el")

@@ -13,7 +13,9 @@ highest rows down (`compact`), so attention never spans free rows.
 
 The pool stays the source of truth (prefix caching, preemption, prefill): every token is still
 written there too, and a row is simply dropped when its request stops running or is preempted.
-Costs `max_num_seqs x longest context in flight` of extra K/V memory, grown on demand.
+Costs `max_num_seqs x longest context in flight` of extra K/V memory, grown on demand up to
+`row_capacity` positions per row: the rows are paid for out of the KV budget (kv_budget.py), and a
+request whose context would outgrow its row decodes from the pool instead (`fits`, runner.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from .request import Request, RequestStatus
 
 
 class DecodeSlots:
-    def __init__(self, shape: LlamaShape, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, initial_capacity: int = 256):
-        self.shape, self.num_slots, self.max_len = shape, num_slots, max_len
+    INITIAL_CAPACITY = 256  # positions per row when first allocated; rows double from there
+
+    def __init__(self, shape: LlamaShape, num_slots: int, row_capacity: int, dtype: torch.dtype,
+                 device: torch.device, initial_capacity: int = INITIAL_CAPACITY):
+        self.shape, self.num_slots, self.row_capacity = shape, num_slots, row_capacity
         self.dtype, self.device = dtype, device
         self.initial_capacity = initial_capacity
         self.capacity = 0
@@ -43,6 +47,14 @@ class DecodeSlots:
     def num_used(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.nbytes for kv in self.kv)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a row can hold a context of `tokens` positions (with the one spare ensure_capacity keeps)."""
+        return tokens + 1 <= self.row_capacity
+
     def ensure_capacity(self, tokens: int) -> None:
         """Room for `tokens` positions, and always one more; and one row more than there are slots.
         The rows and context attended are then never the whole tensor, which would make the view
@@ -52,18 +64,26 @@ class DecodeSlots:
         tokens += 1
         if tokens <= self.capacity:
             return
-        if tokens > self.max_len + 1:
-            raise ValueError(f"context of {tokens - 1} tokens exceeds max_model_len {self.max_len}")
+        if tokens > self.row_capacity:
+            raise ValueError(f"context of {tokens - 1} tokens does not fit a decode-slot row of "
+                             f"{self.row_capacity} positions (callers check `fits` first)")
         cap = max(self.initial_capacity, self.capacity)
         while cap < tokens:
             cap *= 2
-        cap = min(cap, self.max_len + 1)
+        cap = min(cap, self.row_capacity)
         s = self.shape
-        new = [torch.zeros(2, s.num_kv_heads, self.num_slots + 1, cap, s.head_dim, dtype=self.dtype, device=self.device)
-               for _ in range(s.num_layers)]
-        for old, n in zip(self.kv, new):
-            n[..., : self.capacity, :] = old
-        self.kv, self.capacity = new, cap
+        # layer by layer, each old copy dropped before the next layer's new one is made: the rows
+        # never hold more than their new size plus one layer's old copy (what kv_budget reserves)
+        first = not self.kv
+        for i in range(s.num_layers):
+            new = torch.zeros(2, s.num_kv_heads, self.num_slots + 1, cap, s.head_dim, dtype=self.dtype, device=self.device)
+            if first:
+                self.kv.append(new)
+            else:
+                new[..., : self.capacity, :] = self.kv[i]
+                self.kv[i] = new
+            del new
+        self.capacity = cap
 
     def release(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id, None)

@@ -105,22 +105,31 @@ class DisaggregatedEngine:
     def _least_loaded(pool: list[AsyncEngine]) -> AsyncEngine:
         return min(pool, key=lambda e: e.load)
 
-    def transfer(self, src: LLMEngine, src_request_id: str, dst: LLMEngine) -> KVPayload:
-        """Ship a finished prefill's held K/V from `src` to `dst` as bytes; returns the payload read back."""
-        t0 = time.perf_counter()
-        data = export_kv(src, src_request_id).to_bytes()
+    async def transfer(self, src: AsyncEngine, src_request_id: str, dst: AsyncEngine) -> KVPayload:
+        """Ship a finished prefill's held K/V from `src` to `dst` as bytes; returns the payload read back.
+        The export and the import each run on their engine's thread, between its steps (async_engine.py)."""
+        seconds = [0.0, 0.0]  # the export's and the import's own time, not the wait for a step to end
+
+        def timed(i: int, fn):
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                seconds[i] = time.perf_counter() - t0
+
+        data = await src.call(lambda e: timed(0, lambda: export_kv(e, src_request_id).to_bytes()))
         payload = KVPayload.from_bytes(data)
-        res = import_kv(dst, payload)
-        dt = time.perf_counter() - t0
+        res = await dst.call(lambda e: timed(1, lambda: import_kv(e, payload)))
+        dt = sum(seconds)
         s = self.stats
         s.num_transfers += 1
         s.num_bytes += len(data)
         s.seconds += dt
         s.num_blocks += res.num_blocks
         s.num_imported += res.num_imported
-        m = dst.metrics
-        m.kv_transfer_bytes.inc(len(data), **dst.metric_labels)
-        m.kv_transfer_time.observe(dt, **dst.metric_labels)
+        m, labels = dst.engine.metrics, dst.engine.metric_labels
+        m.kv_transfer_bytes.inc(len(data), **labels)
+        m.kv_transfer_time.observe(dt, **labels)
         return payload
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -153,11 +162,11 @@ class DisaggregatedEngine:
                     return
                 d = self._least_loaded(self.decode)
                 try:
-                    payload = self.transfer(p.engine, prid, d.engine)
+                    payload = await self.transfer(p, prid, d)
                 except (KVTransferError, KeyError) as e:  # the engines fit at construction: a fault, not a bad request
                     raise RuntimeError(f"K/V transfer {p.model_name} -> {d.model_name} failed: {e}") from e
             finally:
-                p.engine.release_held_kv(prid)  # a no-op once exported; frees them on an abort
+                p.call_soon(lambda e: e.release_held_kv(prid))  # a no-op once exported; frees them on an abort
             first_out = True
             prefilled = dataclasses.replace(payload.prefilled(), arrival_time=arrival)
             async for out in d.generate(ids, params, rid, prefilled=prefilled):

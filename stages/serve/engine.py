@@ -3,8 +3,8 @@ API the evaluate stage and GRPO rollouts use (`generate`, `score`, `update_weigh
 
 One step: the scheduler splits the token budget, the runner does one forward and samples, the
 scheduler books the result, stop strings are checked on the detokenised text, and the proposer
-guesses the next draft tokens. Nothing here is thread-safe; `AsyncEngine` (async_engine.py) drives
-it from the server's event loop.
+guesses the next draft tokens. Nothing here is thread-safe; `AsyncEngine` (async_engine.py) steps
+it on a thread of its own, the only one that changes it, for the server's event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from .decode_slots import DecodeSlots
 from .gguf_loader import find_gguf
-from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, num_blocks_for_budget, prefix_block_hashes
+from .kv_budget import KVBudget, plan_kv_budget, slot_bytes
+from .kv_cache import Block, KVCacheManager, kv_bytes_per_token, prefix_block_hashes
 from .lora import LoRAAdapter, load_lora_adapter
 from .metrics import ServeMetrics
 from .model import KVCacheTensors, PagedLlama
@@ -44,9 +45,10 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV block."""
     kv_cache_memory_gb: float = 0.25
-    """Memory budget of the KV cache; the number of blocks follows from the per-token size."""
+    """Memory budget of the KV cache: the paged pool and the decode slots' rows together (kv_budget.py);
+    the number of blocks follows from the per-token size and what the rows reserve."""
     num_kv_blocks: int | None = None
-    """Override the block count (tests use tiny pools to force preemption)."""
+    """Override the block count (tests use tiny pools to force preemption); the budget is then not applied."""
     kv_cache_dtype: str = "auto"
     """"auto" (the model's dtype) or "fp8" (e4m3 with a scale per slot and head)."""
     enable_prefix_caching: bool = True
@@ -88,7 +90,7 @@ class EngineConfig:
     decode_slots: bool = True
     """Decoding requests also keep their K/V in one contiguous row each, read in place by decode
     attention (and speculative verification) instead of gathered from blocks every step (off with
-    an FP8 cache)."""
+    an FP8 cache). The max_num_seqs rows are paid for out of kv_cache_memory_gb (kv_budget.py)."""
     enforce_eager: bool = True
     """Run the forward eagerly. False compiles the all-decode step (every request decoding in its
     decode slot, with or without drafts to verify) with torch.compile, warmed up at engine start
@@ -233,14 +235,28 @@ class LLMEngine:
                                  "the draft must share the target's tokenizer")
             per_token += kv_bytes_per_token(ds.num_layers, ds.num_kv_heads, ds.head_dim, dtype.itemsize)
         self.kv_bytes_per_token = per_token
-        num_blocks = c.num_kv_blocks or num_blocks_for_budget(int(c.kv_cache_memory_gb * 2**30), c.block_size, per_token)
+        # the decode slots' rows hold the target's K/V once more: paid for out of the same budget
+        slot_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype.itemsize) \
+            if c.decode_slots and not fp8 else 0
+        if c.num_kv_blocks:  # the pool given outright (tests): no budget to split, rows may grow to a whole context
+            num_blocks, row_capacity = c.num_kv_blocks, self.max_model_len + 1 if slot_per_token else None
+            self.kv_budget = KVBudget(num_blocks, row_capacity, num_blocks * c.block_size * per_token,
+                                      slot_bytes(c.max_num_seqs, row_capacity, shape.num_layers, slot_per_token,
+                                                 DecodeSlots.INITIAL_CAPACITY) if row_capacity else 0)
+        else:
+            self.kv_budget = plan_kv_budget(int(c.kv_cache_memory_gb * 2**30), block_size=c.block_size,
+                                            pool_bytes_per_token=per_token, max_model_len=self.max_model_len,
+                                            num_slots=c.max_num_seqs, slot_bytes_per_token=slot_per_token,
+                                            num_layers=shape.num_layers, initial_capacity=DecodeSlots.INITIAL_CAPACITY)
+            num_blocks, row_capacity = self.kv_budget.num_blocks, self.kv_budget.slot_row_capacity
+        log.info("%s: %s", self.model_name, self.kv_budget.describe(c.block_size, c.max_num_seqs))
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.cache = KVCacheTensors(shape, num_blocks, c.block_size, dtype, self.model.device, fp8=fp8)
         k = c.num_speculative_tokens if c.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, k, self.max_model_len), self.kv)
         slots = None
-        if c.decode_slots and not fp8:
-            slots = DecodeSlots(shape, c.max_num_seqs, self.max_model_len, dtype, self.model.device)
+        if row_capacity is not None:
+            slots = DecodeSlots(shape, c.max_num_seqs, row_capacity, dtype, self.model.device)
         self.compile_seconds = 0.0
         if not c.enforce_eager:
             if slots is None:  # what is compiled is the decode-slot step
@@ -315,9 +331,20 @@ class LLMEngine:
         """Queue a request. `hold_kv`: when it finishes, keep its full prompt blocks referenced
         (`held_kv`) until `release_held_kv`, so their K/V can be exported (a prefill engine's requests).
         `lora_name`: a loaded LoRA adapter it runs with (LookupError when none is loaded by that name)."""
+        return self.enqueue(self.make_request(prompt, params, request_id, lora_name), hold_kv)
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, lora_name: str | None = None) -> Request:
+        """A request ready to queue: tokenised, checked, its grammar compiled and its adapter resolved,
+        with nothing in the engine changed (the server prepares requests on its event loop while the
+        engine thread steps, async_engine.py). ValueError / LookupError as add_request."""
         req = self._new_request(prompt, params or SamplingParams(), request_id or f"req-{next(self._ids)}")
         if lora_name is not None:
             req.lora = self.lora_adapter(lora_name)
+        return req
+
+    def enqueue(self, req: Request, hold_kv: bool = False) -> str:
+        """Queue a request made by make_request (`hold_kv` as add_request)."""
         self._enqueue(req)
         if hold_kv:
             self._kv_hold.add(req.request_id)

@@ -81,8 +81,10 @@ class ModelRunner:
             if slots is not None:
                 slot = slots.slot_of.get(req.request_id)
                 # a decode (its last confirmed token, then any draft tokens) reads its slot; any
-                # other step (a prefill chunk) goes through the pool
-                if s.start != req.num_tokens - 1 or s.num_new_tokens > 1 + len(s.spec_token_ids):
+                # other step (a prefill chunk) goes through the pool, and so does a decode whose
+                # context has outgrown the rows (their capacity is capped by the KV budget)
+                if s.start != req.num_tokens - 1 or s.num_new_tokens > 1 + len(s.spec_token_ids) \
+                        or not slots.fits(end):
                     if slot is not None:  # its row would miss these tokens' K/V
                         slots.release(req.request_id)
                     slot = None
@@ -177,6 +179,8 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None:
                 return None
             if s.start == req.num_tokens - 1:
+                if not slots.fits(s.start + s.num_new_tokens):  # outgrew the rows: decodes from the pool
+                    return None
                 decodes.append(s)
                 spec = spec or bool(s.spec_token_ids)
             elif s.start == 0 and s.num_new_tokens == req.num_tokens > 1:

@@ -611,8 +611,8 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
                     runtime_lora_updating=runtime_lora)
     e = router.primary.engine
     console.print(f"serving [bold]{e.model_name}[/bold] ({router.model_names()}) at http://{host}:{port}/v1 "
-                  f"- {e.kv.pool.num_blocks} KV blocks of {e.config.block_size} tokens, "
-                  f"{e.kv_bytes_per_token} bytes/token; "
+                  f"- {e.kv_budget.describe(e.config.block_size, e.config.max_num_seqs)} "
+                  f"of kv_cache_memory_gb={e.config.kv_cache_memory_gb:g}, {e.kv_bytes_per_token} bytes/token; "
                   + (f"forward compiled in {e.compile_seconds:.1f} s; " if e.model.pieces.compiled else "eager; ")
                   + (f"{prefill_replicas} prefill engine(s) shipping K/V to {replicas} decode engine(s); "
                      if prefill_replicas else "")

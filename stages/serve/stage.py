@@ -97,6 +97,7 @@ def smoke_test(model_dir: Path, max_tokens: int = 16) -> dict[str, Any]:
     tie = divergence_is_a_tie(hf, ids[0].tolist(), out.token_ids, ref)
     return {"prompt": SMOKE_PROMPT, "completion": out.text, "engine_tokens": out.token_ids, "hf_tokens": ref,
             "matches_hf": out.token_ids == ref or tie is not None, "tie": tie, "kv_blocks": engine.kv.pool.num_blocks,
+            "kv_pool_bytes": engine.kv_budget.pool_bytes, "decode_slot_bytes_reserved": engine.kv_budget.slot_bytes,
             "kv_bytes_per_token": engine.kv_bytes_per_token}
 
 

@@ -90,6 +90,7 @@ def test_disaggregated_outputs_match_one_engine_and_decode_computes_only_the_tai
         return await asyncio.gather(*[_collect(front, p, sp) for p, sp in zip(prompts, params)])
 
     streams = asyncio.run(run())
+    front.shutdown()  # the engines' threads finish what was handed to them: the engines are the test's again
     for prompt, w, outs in zip(prompts, want, streams):
         got = outs[-1]
         assert got.finished and got.token_ids == w.token_ids and got.text == w.text
@@ -207,6 +208,7 @@ def test_aborted_and_finished_requests_leak_no_blocks(tiny_hf_model_dir):
         return await asyncio.gather(*jobs)
 
     streams = asyncio.run(run())
+    front.shutdown()  # the aborts of the requests left early are run: the engines are the test's again
     assert [s[-1].finished for s in streams] == [True, False, True, False, True, True, True, True, True]
     assert [len(s[-1].token_ids) for s in streams[:6] if s[-1].finished] == [12, 12, 12, 1]
     for wo, s in zip(want, streams[6:]):
