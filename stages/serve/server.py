@@ -300,7 +300,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             for pi, ids in enumerate(all_ids):
                 base = body.sampling_params(_max_tokens(body.max_tokens, ids), logprobs, plp, eng0.model.shape.vocab_size)
                 eng = _route(body, ids)
-                eng.engine.check_request(ids, base)
+                await _check(eng.engine, ids, base)
                 jobs += [(pi, eng, ids, params) for params in _copies(base, k)]
         except LookupError as e:
             return _error(404, str(e), "not_found_error", "model")
@@ -357,7 +357,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             eng = _route(body, ids)
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             base = body.sampling_params(_max_tokens(limit, ids), top, body.prompt_logprobs, eng0.model.shape.vocab_size)
-            eng.engine.check_request(ids, base)
+            await _check(eng.engine, ids, base)
             jobs = [(i, eng, ids, params) for i, params in enumerate(_copies(base, body.n))]
         except LookupError as e:
             return _error(404, str(e), "not_found_error", "model")
@@ -518,6 +518,14 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+async def _check(engine, ids: list[int], params) -> None:
+    """engine.check_request (ValueError: a 400), with a new grammar compiled in a worker thread
+    first, so the event loop goes on streaming while it compiles (vLLM compiles apart from its loop)."""
+    if params.structured_output is not None:
+        await asyncio.to_thread(engine.grammar_backend().compile, params.structured_output)
+    engine.check_request(ids, params)
 
 
 def _version() -> str:

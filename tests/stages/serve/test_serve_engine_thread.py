@@ -169,3 +169,37 @@ def test_shutdown_fails_requests_in_flight_and_a_new_request_restarts_the_thread
     front.shutdown()
     assert again[-1].finished and len(again[-1].token_ids) == GREEDY.max_tokens
     assert eng.kv.num_allocated_blocks == 0 and not eng.has_unfinished()
+
+
+def test_health_answers_while_a_new_grammar_compiles(tiny_hf_model_dir):
+    """A request's grammar compiles off the event loop: /health answers while it does."""
+    router = build_router(str(tiny_hf_model_dir), num_kv_blocks=64, max_num_seqs=4).start()
+    backend = router.primary.engine.grammar_backend()
+    compile_ = backend._compile
+    compiling, compiled = threading.Event(), threading.Event()
+
+    def slow_compile(spec):
+        compiling.set()
+        time.sleep(STEP_S)
+        compiled.set()
+        return compile_(spec)
+
+    backend._compile = slow_compile
+    try:
+        with ServerThread(build_app(router)) as srv:
+            result = {}
+            body = {"prompt": "x =", "max_tokens": 4, "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}}
+            client = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/v1/completions", json=body,
+                                                                                timeout=60)))
+            client.start()
+            assert compiling.wait(30), "the grammar never compiled"
+            t0 = time.perf_counter()
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            took = time.perf_counter() - t0
+            assert not compiled.is_set(), "the compile ended before /health was asked: nothing was measured"
+            assert took < HEALTH_LIMIT_S, f"/health took {took:.2f} s while a grammar compiled"
+            client.join(60)
+            assert result["r"].status_code == 200
+    finally:
+        router.shutdown()
