@@ -424,14 +424,9 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
 def start_server_process(model_dir: str, threads: int | None, timeout: float = 300.0, **engine_options):
     """`python -m stages.serve.cli serve` in its own process on a free port; returns (process, url)."""
     import os
-    import socket
     import subprocess
 
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "stages.serve.cli", "serve", str(model_dir), "--port", str(port)]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -444,18 +439,35 @@ def start_server_process(model_dir: str, threads: int | None, timeout: float = 3
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, timeout, "the server", lambda: proc.stderr.read().decode())
+    return proc, url
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, timeout: float, name: str, last_words) -> None:
+    """Wait until `url`/health answers 200; RuntimeError with the tail of `last_words()` (its log)
+    if the process exits first, or after killing it at `timeout` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"{name} exited: {last_words()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+    raise RuntimeError(f"{name} did not answer /health within {timeout} s")
 
 
 def _start_peer(model_dir: str | None, tmp_dir: Path, parallel: int, context: int, threads: int):

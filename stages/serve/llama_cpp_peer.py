@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -89,13 +88,9 @@ def start_llama_server(gguf: Path, *, parallel: int, context_per_slot: int, thre
                        timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
     """llama-server on a free port with `parallel` slots of `context_per_slot` tokens each (continuous
     batching is its default); returns (process, url) once /health answers 200."""
-    import socket
+    from .bench import free_port, wait_healthy
 
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [str(binary("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(parallel), "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads),
            "--no-webui"]
@@ -103,18 +98,8 @@ def start_llama_server(gguf: Path, *, parallel: int, context_per_slot: int, thre
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited: {log_path.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"llama-server did not answer /health within {timeout} s")
+    wait_healthy(proc, url, timeout, "llama-server", lambda: log_path.read_text(errors="replace"))
+    return proc, url
 
 
 if __name__ == "__main__":  # build it ahead of a benchmark: python -m stages.serve.llama_cpp_peer
