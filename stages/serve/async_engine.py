@@ -159,10 +159,6 @@ class AsyncEngine:
         LoRA adapter it runs with."""
         ids = list(prompt_ids)
         eng = self.engine
-        if params.structured_output is not None:
-            # a new grammar compiles in a worker thread (vLLM compiles them apart from its loop too):
-            # the loop keeps streaming meanwhile; check_request then finds it compiled
-            await asyncio.to_thread(eng.grammar_backend().compile, params.structured_output)
         eng.check_request(ids, params)  # ValueError -> 400 before anything is queued
         cfg = eng.config
         if len(self._in_flight) >= cfg.max_waiting + cfg.max_num_seqs:

@@ -563,7 +563,7 @@ def bench_serve_command(
     rounds_out: list[dict[str, Any]] = []
     proc = router = srv = peer = None
     server_start_s = None
-    tmp_dir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    tmp_dir = Path(tempfile.mkdtemp(prefix="bench-serve-")) if "llama.cpp" in baselines else None  # the GGUF
     try:
         if base_url is None and server == "thread":  # same process: simpler, but client and server share a GIL
             router = build_router(model_dir, **engine_options).start()
@@ -581,8 +581,9 @@ def bench_serve_command(
         model = card["id"]
         input_len, output_len = fit_lengths(input_len, output_len, range_ratio, card.get("max_model_len"))
         if "llama.cpp" in baselines:
-            peer = _start_peer(model_dir, tmp_dir, concurrency or num_prompts, card.get("max_model_len") or 4096,
-                               threads or torch.get_num_threads())
+            # each slot holds the longest request the load can draw (llama-server allocates slots x context)
+            longest = int(input_len * (1 + range_ratio)) + int(output_len * (1 + range_ratio)) + 1
+            peer = _start_peer(model_dir, tmp_dir, concurrency or num_prompts, longest, threads or torch.get_num_threads())
             if peer is not None:
                 asyncio.run(run_load(peer[1], model, make_requests(tokenizer, 2, input_len, output_len, range_ratio,
                                                                    seed + 999), 2, float("inf"), seed,
@@ -626,7 +627,8 @@ def bench_serve_command(
         if peer is not None:
             peer[0].terminate()
             peer[0].wait(timeout=30)
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
     def median_round(key: str) -> dict[str, Any]:
         ordered = sorted(rounds_out, key=lambda r: r[key]["output_tokens_per_s"])

@@ -43,6 +43,14 @@ def _busy_python(seconds: float) -> None:
         x += 1
 
 
+def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """A completion request on a thread of its own (started); its response lands in the dict's "r"."""
+    result: dict = {}
+    client = threading.Thread(target=lambda: result.update(r=httpx.post(url + "/v1/completions", json=body, timeout=60)))
+    client.start()
+    return client, result
+
+
 @pytest.mark.parametrize("slow", [_sleep, _busy_torch, _busy_python])
 def test_health_answers_while_a_long_step_runs(tiny_hf_model_dir, slow):
     router = build_router(str(tiny_hf_model_dir), num_kv_blocks=64, max_num_seqs=4).start()
@@ -60,11 +68,7 @@ def test_health_answers_while_a_long_step_runs(tiny_hf_model_dir, slow):
     runner.execute = slow_execute
     try:
         with ServerThread(build_app(router)) as srv:
-            result = {}
-            client = threading.Thread(target=lambda: result.update(r=httpx.post(
-                srv.url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0},
-                timeout=60)))
-            client.start()
+            client, result = _post_in_background(srv.url, {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
             assert in_step.wait(30), "the request never reached a step"
             times = []
             for _ in range(3):
@@ -187,12 +191,9 @@ def test_health_answers_while_a_new_grammar_compiles(tiny_hf_model_dir):
     backend._compile = slow_compile
     try:
         with ServerThread(build_app(router)) as srv:
-            result = {}
             body = {"prompt": "x =", "max_tokens": 4, "temperature": 0,
                     "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}}
-            client = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/v1/completions", json=body,
-                                                                                timeout=60)))
-            client.start()
+            client, result = _post_in_background(srv.url, body)
             assert compiling.wait(30), "the grammar never compiled"
             t0 = time.perf_counter()
             assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
