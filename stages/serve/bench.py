@@ -33,6 +33,7 @@ tokens/s over the plain load's in the same round.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import random
@@ -91,14 +92,21 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99}
 
 
+@functools.lru_cache(maxsize=2)
+def _corpus_ids(tokenizer) -> list[int]:
+    """The prompts' source text as token ids, encoded once per tokenizer (every round and sweep
+    size cuts its prompts from it; encoding it took ~0.3 s a time)."""
+    from .testing import _stdlib_text
+
+    return tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+
+
 def make_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
                   seed: int) -> list[BenchRequest]:
     """Random-length prompts cut from the standard library's source (like vLLM's random dataset,
     but real text), lengths uniform in [len*(1-r), len*(1+r)]."""
-    from .testing import _stdlib_text
-
     rng = random.Random(seed)
-    corpus = tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+    corpus = _corpus_ids(tokenizer)
     reqs = []
     for _ in range(num_prompts):
         n_in = rng.randint(max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio))))
@@ -134,10 +142,8 @@ def fit_lengths(input_len: int | None, output_len: int | None, range_ratio: floa
 def same_shape_requests(tokenizer, reqs: list[BenchRequest], seed: int) -> list[BenchRequest]:
     """Requests of the same prompt and output lengths as `reqs`, their prompts cut from elsewhere in
     the corpus: a second load on them finds nothing of the first in the prefix cache."""
-    from .testing import _stdlib_text
-
     rng = random.Random(seed)
-    corpus = tokenizer.encode("\n".join(_stdlib_text(400_000)), add_special_tokens=False)
+    corpus = _corpus_ids(tokenizer)
     out = []
     for r in reqs:
         start = rng.randrange(0, len(corpus) - len(r.prompt_ids))
