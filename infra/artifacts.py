@@ -146,7 +146,10 @@ def commit_artifact(
     started_at: float | None = None,
     extra: dict | None = None,
 ) -> Artifact:
-    """Upload `local_dir` and commit it with `manifest.json`, written last.
+    """Upload `local_dir` and commit it with `manifest.json`, written last. Files already under the
+    artifact's prefix in the store (what a training job wrote there straight from its nodes:
+    checkpoints, metrics.jsonl, result.json) are committed too, described by the store's size and
+    sha256; a local file of the same name replaces the store's.
 
     Re-committing a fingerprint (a forced re-run) first removes the old manifest, so the folder is
     invisible while its files are replaced and a crash half way never leaves a manifest describing
@@ -164,6 +167,10 @@ def commit_artifact(
             continue  # ours is written last; a stage's own top-level manifest.json would be overwritten
         files[name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         store.put_file(path, f"{prefix}/{name}")
+    for key in store.list(prefix):
+        name = key[len(prefix) + 1:]
+        if name and name != MANIFEST and name not in files:
+            files[name] = _describe(store, key)
     manifest = {
         **plain(extra or {}),  # first: the contract's own fields below always win
         "stage": stage,
@@ -178,6 +185,18 @@ def commit_artifact(
     }
     store.put_json(manifest, f"{prefix}/{MANIFEST}")
     return Artifact(store, experiment, stage, fp, manifest)
+
+
+def _describe(store: Store, key: str) -> dict:
+    """size and sha256 of an object already in the store; hashed from a download when the store has no
+    sha256 for it (an object another tool wrote)."""
+    info = store.object_info(key)
+    if not info.get("sha256"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            info["sha256"] = sha256_file(store.get_file(key, Path(tmp) / "object"))
+    return {"sha256": info["sha256"], "size": int(info["size"])}
 
 
 def list_artifacts(store: Store, experiment: str | None = None, stage: str | None = None) -> list[Artifact]:

@@ -87,6 +87,11 @@ class Store(ABC):
     @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
 
+    def object_info(self, key: str) -> dict:
+        """`size` and `sha256` of one object (FileNotFoundError when it is missing). Lets a commit
+        describe files a job wrote straight to the store without downloading them."""
+        raise NotImplementedError
+
     def url(self, key: str) -> str:
         key = key.strip("/")
         return f"{self.uri.rstrip('/')}/{key}" if key else self.uri
@@ -243,6 +248,12 @@ class FileStore(Store):
         if not base.is_dir():
             return iter(())
         return iter(sorted(c.name for c in base.iterdir() if c.is_dir()))
+
+    def object_info(self, key):
+        p = self._path(key)
+        if not p.is_file():
+            raise FileNotFoundError(f"{self.url(key)} does not exist")
+        return {"size": p.stat().st_size, "sha256": sha256_file(p)}
 
     def local_path(self, key: str) -> Path:
         """file:// only: where an object lives on disk (lets local jobs skip a copy)."""

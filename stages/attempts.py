@@ -15,9 +15,7 @@ beside the checkpoints, committed with the artifact) and turns it into the next 
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from infra.config.train import SpikeConfig
@@ -40,21 +38,26 @@ class DivergenceBudgetSpent(TrainingJobFailed):
     """The job diverged after `spike.task_rollbacks` task-level rollbacks: retrying would not help."""
 
 
-def read_attempts(output: str | Path) -> list[dict[str, Any]]:
-    f = Path(output) / ATTEMPTS
-    return json.loads(f.read_text()) if f.is_file() else []
+def _store(spec: JobSpec):
+    return open_store(spec.output, endpoint_url=endpoint_for(spec))
 
 
-def _write_attempts(output: str | Path, attempts: list[dict[str, Any]]) -> None:
-    (Path(output) / ATTEMPTS).write_text(json.dumps(attempts, indent=2))
+def read_attempts(spec: JobSpec) -> list[dict[str, Any]]:
+    """The earlier launches' records, from the job's output in the store."""
+    store = _store(spec)
+    return store.get_json(ATTEMPTS) if store.exists(ATTEMPTS) else []
+
+
+def _write_attempts(spec: JobSpec, attempts: list[dict[str, Any]]) -> None:
+    _store(spec).put_json(attempts, ATTEMPTS)
 
 
 def next_launch(spec: JobSpec, spike: SpikeConfig) -> JobSpec:
     """The job file of the next launch: its attempt number, the LR cap after the divergences so far
     and every data window an earlier attempt found spiking. Clears an earlier attempt's result.json."""
-    attempts = read_attempts(spec.output)
+    attempts = read_attempts(spec)
     if attempts:  # a killed job writes no result.json: never read the previous attempt's as this one's
-        open_store(spec.output, endpoint_url=endpoint_for(spec)).delete("result.json")
+        _store(spec).delete("result.json")
     diverged = sum(1 for a in attempts if a["status"] == "diverged")
     windows = sorted({tuple(w) for a in attempts for w in a.get("skip_windows", [])})
     return spec.model_copy(update={"attempt": len(attempts), "lr_scale": spike.task_lr_factor ** diverged,
@@ -66,7 +69,7 @@ def settle(spec: JobSpec, result: JobResult | None, exit_code: int, spike: Spike
            log: Callable[[str], None] = print) -> dict[str, Any]:
     """Record how this launch ended; after a divergence, roll the output back one checkpoint (or say
     the budget is spent). Returns the attempt's record (its `event` says what was done)."""
-    attempts = read_attempts(spec.output)
+    attempts = read_attempts(spec)
     status = result.status if result else "failed"
     record: dict[str, Any] = {"attempt": spec.attempt, "status": status, "exit_code": exit_code,
                               "steps": result.steps if result else None, "lr_scale": spec.lr_scale,
@@ -81,7 +84,7 @@ def settle(spec: JobSpec, result: JobResult | None, exit_code: int, spike: Spike
         else:
             from trainer.checkpoint import committed_steps, uncommit
 
-            store = open_store(spec.output, endpoint_url=endpoint_for(spec))
+            store = _store(spec)
             steps = committed_steps(store)
             if steps:
                 uncommit(store, steps[0])
@@ -91,7 +94,7 @@ def settle(spec: JobSpec, result: JobResult | None, exit_code: int, spike: Spike
                           dropped_step=steps[0] if steps else None, resume_step=resume,
                           next_lr_scale=spike.task_lr_factor ** diverged)
     attempts.append(record)
-    _write_attempts(spec.output, attempts)
+    _write_attempts(spec, attempts)
     if status != "completed":
         log(f"{spec.stage}: attempt {spec.attempt} ended {status}: {record['event']}")
     return record

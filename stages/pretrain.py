@@ -37,11 +37,27 @@ def job_spec(ctx: StageContext, stage: str = "pretrain", section: str = "pretrai
         section=section,
         config=ctx.cfg.model_dump(mode="json"),
         inputs=uris,
-        output=str(Path(ctx.out_dir).resolve()),
+        output=ctx.job_output(),
         workdir=str(ctx.workspace.path("jobs", job_id)),
         tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
         resume="latest",
     )
+
+
+def fetch_output_file(spec: JobSpec, name: str) -> Path | None:
+    """A file of the job's output as a local path (read through the store when the output is remote,
+    into the job's workdir on this machine), or None if the job wrote none."""
+    from infra.launch.base import endpoint_for
+    from infra.store import open_store
+    from trainer.job_io import is_local, local_path
+
+    if is_local(spec.output):
+        path = local_path(spec.output) / name
+        return path if path.is_file() else None
+    store = open_store(spec.output, endpoint_url=endpoint_for(spec))
+    if not store.exists(name):
+        return None
+    return store.get_file(name, Path(spec.workdir) / "from-output" / name)
 
 
 def _spike_config(ctx: StageContext, spec: JobSpec):
@@ -123,9 +139,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     result = launch_and_wait(ctx, spec)
     summary: dict[str, Any] = {"steps": result.steps, "params": counts["total"], **result.metrics, **predicted}
     summary.update(compare_prediction(summary))
-    metrics = Path(spec.output) / "metrics.jsonl"
-    if metrics.is_file():
-        png = plot_activation_stats(metrics, Path(spec.output) / "activations.png", f"pretrain {ctx.cfg.name}")
+    metrics = fetch_output_file(spec, "metrics.jsonl")
+    if metrics is not None:
+        png = plot_activation_stats(metrics, Path(ctx.out_dir) / "activations.png", f"pretrain {ctx.cfg.name}")
         if png is not None:
             ctx.log_artifact(png)
     return summary

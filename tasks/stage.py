@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.artifacts import Artifact, code_version, commit_artifact, find_artifact, fingerprint, latest_artifact
+from infra.artifacts import Artifact, artifact_prefix, code_version, commit_artifact, find_artifact, fingerprint, latest_artifact
 from infra.config import LifecycleConfig
 from infra.store import FileStore
 from infra.tracking import Tracker, flatten_params
@@ -140,15 +140,20 @@ def execute_stage(
     run_id = tracker.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp})
     tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
     out_dir = ws.workdir / "staging" / stage / fp
-    if not spec.trains:
-        shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
-    # A training stage keeps its folder across attempts: the job resumes from its latest committed
-    # checkpoint there (same fingerprint, same config), which is what a task retry is for.
+    prefix = artifact_prefix(ws.experiment, stage, fp)
+    if existing is not None or not spec.trains:
+        # A forced re-run starts afresh; a stage that trains nothing never resumes. Leftovers of a failed
+        # attempt, here and in the store, are never committed.
+        shutil.rmtree(out_dir, ignore_errors=True)
+        ws.store.delete(prefix)
+    # A training stage keeps its job's output in the store across attempts: the job resumes from its
+    # latest committed checkpoint there (same fingerprint, same config), which is what a task retry is for.
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
         cfg=cfg,
         workspace=ws,
         out_dir=out_dir,
+        out_uri=ws.store.url(prefix),
         inputs=_local_inputs(ws, inputs),
         input_uris={k: v.uri for k, v in inputs.items()},
         run_id=run_id,
@@ -170,6 +175,10 @@ def execute_stage(
     if numeric:
         # At the job's last step, so a training stage's final figures don't land at step 0 of its curves.
         tracker.log_metrics(run_id, numeric, step=int(numeric.get("steps", 0)))
+    if spec.trains:
+        from trainer.checkpoint import drop_uncommitted
+
+        drop_uncommitted(ws.store, prefix)  # a killed attempt's half-written checkpoints are not part of it
     art = commit_artifact(
         ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg),
         inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,

@@ -10,6 +10,7 @@ from infra.config import LifecycleConfig
 from infra.launch.base import endpoint_for, write_result
 from infra.launch.job import JobResult, JobSpec
 
+from . import audit
 from .job_io import OutputFolder
 from .process_group import init_distributed
 from .trainer import Trainer
@@ -24,28 +25,31 @@ def finish(spec: JobSpec, output: OutputFolder, result: JobResult) -> None:
 def run_job(job_file: str) -> int:
     """The `python -m trainer JOB.yaml` entry point: train, then rank 0 writes result.json. Returns the
     process exit code (0 completed, 1 failed, 2 diverged)."""
+    audit.install()  # off unless a drill asks (trainer/audit.py)
     spec = JobSpec.read(job_file)
     cfg = LifecycleConfig.model_validate(spec.config)
     init_distributed(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec)) if rank == 0 else None
+    job = None
     try:
         if spec.section.startswith("posttrain."):  # SFT / DPO / GRPO objectives: trainer/posttrain_job.py
             from .posttrain_job import PosttrainJob
 
-            result = PosttrainJob(spec).run()
+            job = PosttrainJob(spec)
         else:
-            result = Trainer(spec).run()
+            job = Trainer(spec)
+        result = job.run()
     except Exception as exc:  # result.json says why, then the launcher sees a non-zero exit
         traceback.print_exc()
-        if output is not None:
+        if rank == 0:
+            output = job.output if job is not None else OutputFolder(spec.output, spec.workdir, endpoint_for(spec))
             finish(spec, output, JobResult(status="failed", message=f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if output is not None:
-        finish(spec, output, result)
+    if rank == 0:
+        finish(spec, job.output, result)
         print(f"trainer: {result.status} after {result.steps} steps: "
               + ", ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()), file=sys.stderr)
     return {"completed": 0, "failed": 1, "diverged": 2}[result.status]

@@ -271,6 +271,23 @@ def uncommit(store: Store, step: int) -> None:
     store.delete(key)
 
 
+def drop_uncommitted(store: Store, prefix: str = "") -> list[str]:
+    """Delete every checkpoint folder under `prefix` (at any depth) that holds no manifest: what a job
+    killed half way through a save left. Returns the folders deleted."""
+    folders: dict[str, bool] = {}
+    for key in store.list(prefix):
+        parts = key.split("/")
+        for i in range(len(parts) - 2):
+            if parts[i] == ROOT and parse_step(parts[i + 1]) is not None:
+                folder = "/".join(parts[: i + 2])
+                folders[folder] = folders.get(folder, False) or parts[i + 2:] == [MANIFEST]
+                break
+    gone = [f for f, committed in sorted(folders.items()) if not committed]
+    for folder in gone:
+        store.delete(folder)
+    return gone
+
+
 # --- the checkpointer ------------------------------------------------------------------------------
 @dataclass
 class SaveStats:

@@ -1,13 +1,31 @@
-"""Where a job's inputs come from and its outputs go: local paths and file:// URIs are used in place;
-any other URI (s3://) is downloaded into the job's workdir, and the output folder is staged there
-and uploaded when the job ends."""
+"""Where a job's inputs come from and its outputs go, with nothing that needs a path another node sees.
+
+- Node dir: every path a rank writes for itself (input cache, checkpoint staging, heartbeats, the
+  staged output) is under `node_dir(spec)`: `$EIGHTFOLD_NODE_DIR` when the launcher gives each node its
+  own scratch (Slurm, Kubernetes, the local launcher's simulated nodes), else the job's workdir.
+- Inputs: local paths and file:// URIs are read in place (a shared filesystem is a file:// store);
+  any other URI (s3://) is downloaded once per node into `{node_dir}/cache/`, every file checked
+  against its sha256 (the store's, recorded at upload), under a lock so a node's ranks download it
+  once; a file already there with the right sha256 is kept, so a restart on the same node skips it.
+- Output: file:// outputs are written in place. A remote output is staged in `{node_dir}/output`:
+  whole files (model.safetensors) go up when the job ends, and the append-only metrics.jsonl goes up
+  every `sync_every_s` too, after being seeded from the store's copy at start, so a job resumed on
+  another node continues the same file. Checkpoints and result.json go straight to the store
+  (trainer.checkpoint, infra.launch.base.write_result).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from infra.store import open_uri
+from infra.launch.job import NODE_DIR_ENV
+from infra.store import join_key, open_store, open_uri, sha256_file
+
+METRICS = "metrics.jsonl"
 
 
 def is_local(uri: str) -> bool:
@@ -19,26 +37,67 @@ def local_path(uri: str) -> Path:
     return Path(parsed.path if parsed.scheme else uri).expanduser().resolve()
 
 
+def node_dir(workdir: str | Path) -> Path:
+    """This node's own scratch folder: `$EIGHTFOLD_NODE_DIR`, else the job's workdir."""
+    path = Path(os.environ.get(NODE_DIR_ENV) or workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def fetch_input(uri: str, workdir: str | Path, name: str, endpoint_url: str | None = None) -> Path:
-    """A local folder holding the input `name` (downloaded into workdir/inputs/name if remote)."""
+    """A local folder holding the input `name`: in place when local, else this node's verified cache."""
     if is_local(uri):
         path = local_path(uri)
         if not path.exists():
             raise FileNotFoundError(f"job input {name!r}: {uri} does not exist")
         return path
+    from filelock import FileLock
+
     store, key = open_uri(uri, endpoint_url)
-    return store.get_dir(key, Path(workdir) / "inputs" / name)
+    cache = node_dir(workdir) / "cache" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):
+        keys = [k for k in store.list(key) if k != key]
+        if not keys:
+            raise FileNotFoundError(f"job input {name!r}: {uri} holds no objects")
+        for k in keys:
+            dst = cache / k[len(key) + 1:]
+            expected = store.object_info(k).get("sha256")
+            if expected and dst.is_file() and sha256_file(dst) == expected:
+                continue  # cached by an earlier attempt on this node
+            store.get_file(k, dst, sha256=expected)  # ChecksumMismatch on a bad copy; nothing left at dst
+    return cache
 
 
 class OutputFolder:
-    """`path` is where to write; `publish()` uploads it when the output URI is remote."""
+    """`path` is where to write; `sync()` mirrors metrics.jsonl to a remote output (throttled), and
+    `publish()` uploads everything staged when the job ends."""
 
-    def __init__(self, uri: str, workdir: str | Path, endpoint_url: str | None = None):
+    def __init__(self, uri: str, workdir: str | Path, endpoint_url: str | None = None, sync_every_s: float = 10.0,
+                 writer: bool = True):
+        """`writer`: the rank that writes the output (rank 0); other ranks only get `path`."""
         self.uri, self.endpoint_url = uri, endpoint_url
-        self.path = local_path(uri) if is_local(uri) else Path(workdir) / "output"
+        self.remote = not is_local(uri)
+        self.path = node_dir(workdir) / "output" if self.remote else local_path(uri)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.sync_every_s = sync_every_s
+        self._synced_at = float("-inf")  # the first sync goes up at once
+        self._store = open_store(uri, endpoint_url=endpoint_url) if self.remote and writer else None
+        if self._store is not None:
+            # the store's metrics.jsonl is the job's; a stale local copy from another attempt is not
+            local = self.path / METRICS
+            local.unlink(missing_ok=True)
+            if self._store.exists(METRICS):
+                self._store.get_file(METRICS, local)
+
+    def sync(self, force: bool = False) -> None:
+        if self._store is None or not (self.path / METRICS).is_file():
+            return
+        if force or time.monotonic() - self._synced_at >= self.sync_every_s:
+            self._store.put_file(self.path / METRICS, METRICS)
+            self._synced_at = time.monotonic()
 
     def publish(self) -> None:
-        if not is_local(self.uri):
-            store, key = open_uri(self.uri, self.endpoint_url)
-            store.put_dir(self.path, key)
+        if self._store is not None:
+            for path in sorted(p for p in self.path.rglob("*") if p.is_file()):
+                self._store.put_file(path, join_key(path.relative_to(self.path).as_posix()))

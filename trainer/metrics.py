@@ -9,6 +9,7 @@ import json
 import resource
 import sys
 import time
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -69,8 +70,12 @@ class MetricsSink:
     """Where rank 0's metrics go. Non-zero ranks get a sink that drops everything."""
 
     def __init__(self, out_dir: Path | None, tracking_uri: str | None, run_id: str | None,
-                 total_steps: int, enabled: bool, progress: bool = True):
+                 total_steps: int, enabled: bool, progress: bool = True,
+                 sync: Callable[[bool], None] | None = None):
+        """`sync(force)`: called after each write (and forced at close) to mirror metrics.jsonl to a
+        remote output (trainer.job_io.OutputFolder.sync)."""
         self.enabled = enabled
+        self._sync = sync
         self._jsonl = None
         self._logger = None
         self._bar = None
@@ -97,6 +102,8 @@ class MetricsSink:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()
+            if self._sync is not None:
+                self._sync(False)
         if self._logger is not None:
             self._logger.log_metrics(metrics, step=step)
         if self._bar is not None and "loss" in metrics:
@@ -115,5 +122,7 @@ class MetricsSink:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
+            if self._sync is not None:
+                self._sync(True)
         if self._logger is not None:
             self._logger.close()

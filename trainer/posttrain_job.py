@@ -28,7 +28,7 @@ from infra.launch.job import JobResult, JobSpec
 
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
-from .job_io import OutputFolder, fetch_input
+from .job_io import OutputFolder, fetch_input, node_dir
 from .lora import apply_lora, merged_state_dict, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
@@ -105,7 +105,7 @@ class PosttrainJob:
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
             if self.sc.activation_stats else None
         self.optimizer = build_optimizer(unwrap(self.model), self.sc)
-        self.output = OutputFolder(spec.output, spec.workdir, ep)
+        self.output = OutputFolder(spec.output, spec.workdir, ep, writer=self.rank == 0)
         rows = pdata.read_jsonl(data_dir / "train.jsonl")
         dp = dict(dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp, seed=self.seed)
         s = self.sc
@@ -144,7 +144,7 @@ class PosttrainJob:
             self.reward = load_object(s.reward)
             factory = load_object(s.engine)
             self.engine = factory(model_cfg=self.cfg.model, state_dict=self.current_weights(),
-                                  tokenizer_dir=self.tokenizer_dir, workdir=Path(spec.workdir) / "engine",
+                                  tokenizer_dir=self.tokenizer_dir, workdir=node_dir(spec.workdir) / "engine",
                                   stop_token_ids=stop_token_ids(self.tok), device=self.device.type)
         self.step = 0
 
@@ -194,7 +194,7 @@ class PosttrainJob:
     def run(self) -> JobResult:
         s = self.sc
         sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
-                           total_steps=s.steps, enabled=self.rank == 0)
+                           total_steps=s.steps, enabled=self.rank == 0, sync=self.output.sync)
         trainable = sum(p.numel() for p in unwrap(self.model).parameters() if p.requires_grad)
         total = sum(p.numel() for p in unwrap(self.model).parameters())
         sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total,

@@ -26,6 +26,7 @@ from infra.store import open_store
 
 from .checkpoint import Checkpointer
 from .faults import Faults, ScaledObjective
+from .job_io import node_dir
 from .health import Heartbeat, preflight
 from .spike import SpikeDetector, Verdict
 
@@ -41,7 +42,7 @@ class Recovery:
         self.cfg = t
         self.rank = trainer.rank
         self.store = open_store(spec.output, endpoint_url=endpoint_for(spec))
-        workdir = Path(spec.workdir)
+        workdir = node_dir(spec.workdir)  # this node's own: staging, heartbeats, fault markers
         if trainer.cfg.infra.health_check:
             report = preflight(trainer.device, workdir, self.store, self.rank)
             if self.rank == 0:
@@ -145,6 +146,7 @@ class Recovery:
         if self.steps_this_attempt == 1 and self.last_seen is not None:
             # Failure to first new step: the previous attempt's last heartbeat is when it was last alive.
             self.figures["restart_s"] = time.time() - self.last_seen
+            self.figures["resumed_from_step"] = float(self.resumed_from or 0)
             sink.log({"restart_s": self.figures["restart_s"], "resumed_from_step": float(self.resumed_from or 0)}, step)
             if self.rank == 0:
                 log(f"trainer: first step {step} after restart, {self.figures['restart_s']:.2f}s after the last "

@@ -76,7 +76,7 @@ class Trainer:
             from .parallel.context_parallel import context_parallel_setup
 
             self.dp_group, self.objective = context_parallel_setup(self.dims, self.objective)
-        self.output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec))
+        self.output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec), writer=self.rank == 0)
         self.step = 0
         self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
         dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -89,7 +89,7 @@ class Trainer:
     def run(self) -> JobResult:
         t = self.train_cfg
         sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
-                           total_steps=t.steps, enabled=self.rank == 0)
+                           total_steps=t.steps, enabled=self.rank == 0, sync=self.output.sync)
         sink.log_params({"flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                          "world_size": self.dims.world_size})
         if self.rank == 0:

@@ -8,6 +8,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+# A node's own scratch folder, set by a launcher that gives each node one (trainer.job_io.node_dir):
+# every path a job writes for itself lives there; nodes share nothing but the object store.
+NODE_DIR_ENV = "EIGHTFOLD_NODE_DIR"
+
 
 class TrackingRef(BaseModel):
     model_config = ConfigDict(extra="forbid")

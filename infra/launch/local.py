@@ -25,7 +25,7 @@ from typing import Iterator
 import psutil
 
 from infra.launch.base import JobState, follow_file, read_result
-from infra.launch.job import JobResult, JobSpec
+from infra.launch.job import NODE_DIR_ENV, JobResult, JobSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,6 +106,21 @@ class LocalJob:
                 raise TimeoutError(f"job {self.job_id} still running after {timeout} s (log: {self.log_path})") from None
         self._finish()
         return self._exit_code()
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process of one simulated node at once (its agent's group): a node lost, with no
+        chance to save or say goodbye. The other nodes find out through their collectives."""
+        try:  # the ranks first: torchrun starts them in sessions of their own, out of the agent's group
+            family = [psutil.Process(self.pids[node]), *psutil.Process(self.pids[node]).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        for p in reversed(family):
+            _signal(p, signal.SIGKILL)
+        try:
+            os.killpg(self.pgids[node], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._procs[node].wait()
 
     def cancel(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the whole group, SIGKILL after `grace_s`; returns when nothing of the job runs."""
@@ -214,13 +229,17 @@ class LocalLauncher:
         max_restarts: int = 0,
         env: dict[str, str] | None = None,
         echo: bool = False,
+        node_dirs: bool | None = None,
     ):
+        """`node_dirs`: give each node a folder of its own (`{workdir}/nodes/node{i}`) and nothing else;
+        default: when there is more than one node."""
         if nproc_per_node < 1 or nnodes < 1:
             raise ValueError(f"nproc_per_node={nproc_per_node} and nnodes={nnodes} must be >= 1")
         if max_restarts < 0:
             raise ValueError(f"max_restarts={max_restarts} must be >= 0")
         self.nproc_per_node, self.nnodes, self.module = nproc_per_node, nnodes, module
         self.max_restarts, self.env, self.echo = max_restarts, dict(env or {}), echo
+        self.node_dirs = nnodes > 1 if node_dirs is None else node_dirs
 
     def command(self, job_file: Path, node_rank: int = 0, master_port: int | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -259,11 +278,14 @@ class LocalLauncher:
         with open(log_path, "ab") as log:
             try:
                 for node in range(self.nnodes):
+                    node_env, node_job, cwd = env, job_file, log_path.parent.parent
+                    if self.node_dirs:
+                        node_env, node_job, cwd = self._node(spec, job_file, node, env)
                     procs.append(
                         subprocess.Popen(
-                            self.command(job_file, node, port),
+                            self.command(node_job, node, port),
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=str(log_path.parent.parent), start_new_session=True,
+                            env=node_env, cwd=str(cwd), start_new_session=True,
                         )  # fmt: skip
                     )
             except BaseException:
@@ -272,6 +294,20 @@ class LocalLauncher:
                     p.wait()
                 raise
         return LocalJob(spec.job_id, procs, log_path, self.echo)
+
+    @staticmethod
+    def node_dir(spec: JobSpec, node: int) -> Path:
+        return Path(spec.workdir).expanduser().resolve() / "nodes" / f"node{node}"
+
+    def _node(self, spec: JobSpec, job_file: Path, node: int, env: dict[str, str]) -> tuple[dict, Path, Path]:
+        """A simulated node shares no path with the others, as real nodes share none: its own folder
+        (EIGHTFOLD_NODE_DIR, TMPDIR, working directory) and its own copy of the job file, as a cluster
+        ships it (Slurm's script, a Kubernetes ConfigMap). Only the store is common to them."""
+        folder = self.node_dir(spec, node)
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
+        own_job = folder / job_file.name
+        own_job.write_bytes(job_file.read_bytes())
+        return {**env, NODE_DIR_ENV: str(folder), "TMPDIR": str(folder / "tmp")}, own_job, folder
 
     def result(self, spec: JobSpec) -> JobResult | None:
         return read_result(spec)

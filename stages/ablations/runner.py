@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from infra.artifacts import MANIFEST, commit_artifact, find_artifact, fingerprint
+from infra.artifacts import MANIFEST, artifact_prefix, commit_artifact, find_artifact, fingerprint
 from infra.config import LifecycleConfig
 from infra.launch import TrackingRef, get_launcher
 from infra.launch.job import JobSpec
@@ -130,11 +130,13 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
     out_dir = ws.path("staging", "ablations-proxy", fp)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
+    prefix = artifact_prefix(ws.experiment, PROXY_STAGE, fp)
+    ws.store.delete(prefix)  # a failed earlier attempt's output: proxies never resume
     job_id = f"proxy-{fp[:8]}-{uuid.uuid4().hex[:6]}"
     env = {} if cfg.infra.device == "cuda" else {"OMP_NUM_THREADS": str(job.threads)}
     spec = JobSpec(
         job_id=job_id, stage=PROXY_STAGE, section="pretrain", config=pcfg.model_dump(mode="json"),
-        inputs={"tokens": job.tokens_uri}, output=str(out_dir.resolve()), workdir=str(ws.path("jobs", job_id)),
+        inputs={"tokens": job.tokens_uri}, output=ws.store.url(prefix), workdir=str(ws.path("jobs", job_id)),
         tracking=TrackingRef(uri=ws.tracking_uri, experiment=ws.experiment, run_id=run_id), resume="none", env=env,
     )
     try:
@@ -168,7 +170,7 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
         tracker.log_metrics(run_id, {k: v for k, v in (("final_val_loss", val_loss), ("final_loss", loss))
                                      if math.isfinite(v)})
         tracker.set_tags(run_id, {"proxy.status": status})
-        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)  # proxies are measured, never resumed from
+        ws.store.delete(f"{prefix}/checkpoints")  # proxies are measured, never resumed from
         art = commit_artifact(ws.store, ws.experiment, PROXY_STAGE, fp, out_dir, config=proxy_section(cfg, point),
                               inputs={"tokens": job.tokens_fingerprint}, started_at=started,
                               extra={"summary": summary, "mlflow_run_id": run_id, "point": point.as_dict()})

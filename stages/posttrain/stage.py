@@ -26,10 +26,11 @@ from typing import Any
 
 from infra.launch import TrackingRef
 from infra.launch.job import JobSpec
+from infra.store import open_uri
 
 from ..base import StageContext
 from ..export.merge import find_checkpoint, load_full_state_dict
-from ..pretrain import launch_and_wait
+from ..pretrain import fetch_output_file, launch_and_wait
 from .accuracy import heldout_accuracy, outcome_bits, paired_change, preference_accuracy
 from .data import builtin_rows, write_jsonl
 from .perplexity import LanguageModelLost, heldout_perplexity, heldout_rows, pretrained_perplexity
@@ -58,6 +59,33 @@ def _training_rows(ctx: StageContext, step: str) -> list[dict]:
         return read_jsonl(sc.data)
     seed = sc.seed if sc.seed is not None else ctx.cfg.seed
     return builtin_rows(step, ctx.cfg.posttrain.task, sc.num_examples, seed)
+
+
+def _job_inputs_prefix(ctx: StageContext, job_id: str) -> str:
+    return f"{ctx.workspace.experiment}/jobs/{job_id}"
+
+
+def _job_inputs(ctx: StageContext, job_id: str, base: Path, data: Path) -> dict[str, str]:
+    """URIs of the job's inputs. Outside a task, this machine's folders. In a task, store URIs only, so
+    the job's nodes need no path of this machine: the base weights (merged here from the upstream
+    checkpoint) go to the store beside the job, the training data into the artifact itself, and the
+    tokenizer and replay rows are the committed artifacts'."""
+    if ctx.out_uri is None:
+        return {"base": str(base.resolve()), "tokenizer": str(Path(ctx.inputs["tokenizer"]).resolve()),
+                "data": str(data.resolve()), "replay": str((Path(ctx.inputs["tokens"]) / "train").resolve())}
+    store = ctx.workspace.store
+    prefix = _job_inputs_prefix(ctx, job_id)
+    store.put_dir(base, f"{prefix}/base")
+    data_uri = ctx.job_output("data")
+    data_store, data_key = open_uri(data_uri, ctx.workspace.s3_endpoint_url)
+    data_store.put_dir(data, data_key)
+    return {"base": store.url(f"{prefix}/base"), "tokenizer": ctx.input_uris["tokenizer"], "data": data_uri,
+            "replay": f"{ctx.input_uris['tokens'].rstrip('/')}/train"}
+
+
+def _drop_job_inputs(ctx: StageContext, job_id: str) -> None:
+    if ctx.out_uri is not None:
+        ctx.workspace.store.delete(_job_inputs_prefix(ctx, job_id))
 
 
 def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
@@ -91,14 +119,19 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
         spec = JobSpec(
             job_id=scratch.name, stage=f"posttrain/{step}", section=f"posttrain.{step}",
             config=cfg.model_dump(mode="json"),
-            inputs={"base": str(base), "tokenizer": str(tok_dir.resolve()), "data": str(data_file.parent.resolve()),
-                    "replay": str((Path(ctx.inputs["tokens"]) / "train").resolve())},
-            output=str(out.resolve()), workdir=str(scratch),
+            inputs=_job_inputs(ctx, scratch.name, base, data_file.parent),
+            output=ctx.job_output(), workdir=str(scratch),
             tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
             resume="none",
         )
-        result = launch_and_wait(ctx, spec)
-        sd = load_upstream(out)
+        try:
+            result = launch_and_wait(ctx, spec)
+        finally:
+            _drop_job_inputs(ctx, scratch.name)
+        model = fetch_output_file(spec, "model.safetensors")
+        if model is None:
+            raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no model.safetensors")
+        sd = load_upstream(model.parent)
         after = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-after", cfg.seed)
         summary.update({"steps": result.steps, "samples_after": after["samples"],
                         **{f"train_{k}": v for k, v in result.metrics.items()}})
@@ -156,7 +189,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     results: dict[str, Any] = {}
     inputs = dict(ctx.inputs)
     for step in ("sft", "dpo", "grpo"):
-        sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=inputs)
+        sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=inputs, out_uri=None)
         results[step] = run_step(sub, step)
         inputs = {f"posttrain-{step}": Path(ctx.out_dir) / step, "tokenizer": ctx.inputs["tokenizer"],
                   "tokens": ctx.inputs["tokens"]}

@@ -40,7 +40,7 @@ def test_divergences_roll_back_lower_the_lr_and_spend_the_budget(tmp_path):
     second = next_launch(_spec(tmp_path), spike)
     assert not (tmp_path / "result.json").exists()
     assert (second.attempt, second.lr_scale, second.skip_windows) == (1, 0.5, [[128, 136]])
-    assert second.previous_attempt_ended_at == read_attempts(tmp_path)[0]["ended_at"]  # restart time counts from it
+    assert second.previous_attempt_ended_at == read_attempts(_spec(tmp_path))[0]["ended_at"]  # restart time counts from it
 
     settle(second, None, -9, spike, log=lambda m: None)  # killed: no result.json, just relaunched
     assert committed_steps(FileStore(str(tmp_path))) == [10, 5]
@@ -54,7 +54,7 @@ def test_divergences_roll_back_lower_the_lr_and_spend_the_budget(tmp_path):
     rec = settle(fourth, JobResult(status="diverged", steps=9), 2, spike, log=lambda m: None)
     assert "giving up" in rec["event"] and "resume_step" not in rec
     assert committed_steps(FileStore(str(tmp_path))) == [5]  # nothing dropped once the budget is spent
-    assert [a["status"] for a in read_attempts(tmp_path)] == ["diverged", "failed", "diverged", "diverged"]
+    assert [a["status"] for a in read_attempts(_spec(tmp_path))] == ["diverged", "failed", "diverged", "diverged"]
 
 
 def test_rollback_without_an_earlier_checkpoint_restarts_from_scratch(tmp_path):

@@ -1,0 +1,76 @@
+"""A job's inputs and outputs on a node that shares no path with the others (trainer/job_io.py): remote
+inputs land in the node's own cache, checked against the store's sha256; metrics.jsonl of a remote
+output is mirrored to the store while the job runs and picked up by the next attempt on another node."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures.s3 import s3_endpoint, s3_store  # noqa: F401
+from infra.store import ChecksumMismatch
+from trainer.job_io import NODE_DIR_ENV, OutputFolder, fetch_input, node_dir
+
+
+def test_remote_input_is_cached_per_node_and_checked(s3_store, tmp_path, monkeypatch):
+    s3_store.put_bytes(b"a" * 1000, "tokens/train/shard-0.bin")
+    s3_store.put_bytes(b"{}", "tokens/train/index.json")
+    uri = s3_store.url("tokens")
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
+    got = fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url)
+    assert got.is_relative_to(tmp_path / "node0" / "cache")  # the node's own folder, not the job's workdir
+    assert (got / "train" / "shard-0.bin").read_bytes() == b"a" * 1000
+    assert not (tmp_path / "work").exists()
+
+    # A second attempt on the node keeps a good copy, and replaces a corrupted one
+    (got / "train" / "index.json").write_bytes(b"[]")
+    mtime = (got / "train" / "shard-0.bin").stat().st_mtime_ns
+    assert fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url) == got
+    assert (got / "train" / "shard-0.bin").stat().st_mtime_ns == mtime
+    assert (got / "train" / "index.json").read_bytes() == b"{}"
+
+    # Another node has its own cache
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node1"))
+    assert fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url).is_relative_to(tmp_path / "node1")
+
+
+def test_a_download_that_does_not_match_the_stores_sha256_is_refused(s3_store, tmp_path, monkeypatch):
+    s3_store.put_bytes(b"good", "tokens/train/shard-0.bin")
+    # the object changes behind the sha256 recorded at upload (bit rot, a partial overwrite)
+    key = s3_store._key("tokens/train/shard-0.bin")
+    s3_store.client.copy_object(Bucket=s3_store.bucket, Key=key, CopySource={"Bucket": s3_store.bucket, "Key": key},
+                                Metadata={"sha256": "0" * 64}, MetadataDirective="REPLACE")
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
+    with pytest.raises(ChecksumMismatch, match="shard-0.bin"):
+        fetch_input(s3_store.url("tokens"), tmp_path / "work", "tokens", s3_store.endpoint_url)
+    assert not list((tmp_path / "node0" / "cache").rglob("shard-0.bin"))
+
+
+def test_local_input_is_read_in_place(tmp_path):
+    (tmp_path / "tokens" / "train").mkdir(parents=True)
+    assert fetch_input(str(tmp_path / "tokens"), tmp_path / "work", "tokens") == (tmp_path / "tokens").resolve()
+    with pytest.raises(FileNotFoundError, match="'tokens'"):
+        fetch_input(str(tmp_path / "missing"), tmp_path / "work", "tokens")
+
+
+def test_metrics_of_a_remote_output_follow_the_job_across_nodes(s3_store, tmp_path, monkeypatch):
+    uri = s3_store.url("runs/pretrain")
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
+    first = OutputFolder(uri, tmp_path / "work", s3_store.endpoint_url, sync_every_s=3600)
+    assert first.path == node_dir(tmp_path / "work") / "output"
+    (first.path / "metrics.jsonl").write_text('{"step": 1}\n')
+    first.sync()  # the first sync goes up at once
+    (first.path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    first.sync()  # throttled: not yet
+    assert s3_store.get_bytes("runs/pretrain/metrics.jsonl") == b'{"step": 1}\n'
+    first.sync(force=True)
+    assert s3_store.get_bytes("runs/pretrain/metrics.jsonl").count(b"\n") == 2
+
+    # the next attempt runs on another node: it continues the store's file
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node1"))
+    second = OutputFolder(uri, tmp_path / "work", s3_store.endpoint_url)
+    assert (second.path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    # only the writing rank seeds and uploads
+    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node2"))
+    reader = OutputFolder(uri, tmp_path / "work2", s3_store.endpoint_url, writer=False)
+    assert not (reader.path / "metrics.jsonl").exists()
+    reader.publish()
