@@ -17,7 +17,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Speed figures (JSON lines with ratios against a baseline).")
 app.add_typer(config_app, name="config")
+drill_app = typer.Typer(no_args_is_help=True, help="Failure drills: break something on purpose, check the recovery.")
 app.add_typer(bench_app, name="bench")
+app.add_typer(drill_app, name="drill")
 
 SetOpt = typer.Option([], "--set", "-s", help="override any field: --set pretrain.lr=3e-4 (repeatable)")
 
@@ -248,6 +250,37 @@ def bench_serve(ctx: typer.Context) -> None:
     from stages.serve.cli import main as serve_main
 
     raise typer.Exit(serve_main(["bench", *ctx.args], bench_prog="eightfold bench serve"))
+
+
+@drill_app.command("node-loss")
+def drill_node_loss(
+    config: Optional[str] = typer.Argument(None),
+    overrides: list[str] = SetOpt,
+    as_json: bool = typer.Option(False, "--json", help="print only the drill's JSON object"),
+    elastic: Optional[bool] = typer.Option(None, "--elastic/--same-nodes",
+                                           help="retry on the node left (default: infra.elastic)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the step the node is lost at"),
+) -> None:
+    """Lose one node of a two-node pretrain job at a random step; check the retry resumes from the last
+    checkpoint in the store and ends where the uninterrupted job ends. Exit 1 when it does not."""
+    import json
+
+    from infra.drill import DrillFailed, node_loss
+    from stages.registry import STAGES
+    from tasks.stage import execute_stage
+
+    cfg = _load(config, overrides)
+    say = (lambda m: None) if as_json else (lambda m: console.print(m))
+    refs: dict = {}
+    for name in ("data", "tokenizer", "tokens"):  # the packed tokens the job reads (cached when committed)
+        refs[name] = execute_stage(cfg, name, {k: refs[k] for k in STAGES[name].inputs}, log=say)
+    try:
+        report = node_loss(cfg, refs["tokens"].uri, elastic=elastic, seed=seed, log=say)
+    except DrillFailed as err:
+        console.print(f"[red]drill node-loss failed: {err}[/red]")
+        raise typer.Exit(1)
+    print(json.dumps(report, indent=None if as_json else 2))
+    raise typer.Exit(0 if report["equal"] and report["shared_paths"] == 0 else 1)
 
 
 def main() -> None:

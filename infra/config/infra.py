@@ -18,6 +18,9 @@ class InfraConfig(Section):
     launcher: Literal["local", "slurm", "kubernetes"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     health_check: bool = Field(True, description="pre-flight health check before every training job")
+    elastic: bool = Field(
+        False, description="after a lost node, retry on the nodes left (fewer data-parallel replicas, the checkpoint "
+                           "resharded) instead of waiting for as many nodes as before")
     retries: int = Field(2, ge=0, description="Prefect retries of a training stage's task, each resuming its job")
     retry_delay_s: float = Field(5.0, ge=0, description="delay before the first retry; doubles for each next one")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="used when launcher = slurm")
