@@ -47,6 +47,9 @@ class SlurmConfig(Section):
         "so jobs sharing a node do not collide",
     )
     max_restarts: int = Field(0, ge=0, description="torchrun --max-restarts inside one allocation")
+    node_health: bool = Field(
+        True, description="probe every node of the allocation (srun step) before training; needs infra.health_check too"
+    )
     setup: list[str] = Field(default_factory=list, description="shell lines run before srun (module load, source venv)")
     python: str | None = Field(None, description="Python on the nodes; default the interpreter that submits")
     extra_args: list[str] = Field(default_factory=list, description="more #SBATCH lines, e.g. --constraint=h100")
