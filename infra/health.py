@@ -423,10 +423,10 @@ NODE_REPORTS = "health"
 
 def node_name() -> str:
     """This node's name as the scheduler knows it: Slurm's SLURMD_NODENAME inside a job (several
-    nodes on one machine share a hostname), else the short hostname."""
+    nodes on one machine share a hostname), else the hostname."""
     import socket
 
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def write_node_report(store, node: str, ok: bool, reason: str, **meta: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +53,19 @@ class JobSpec(BaseModel):
     @classmethod
     def read(cls, path: str | Path) -> "JobSpec":
         return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+    def on_this_node(self) -> "JobSpec":
+        """This spec as one node of a multi-node job sees it: `workdir` in the node's own scratch dir
+        ($EIGHTFOLD_NODE_SCRATCH/eightfold-jobs/<job_id>, exported per node by the cluster: the Slurm
+        script, infra/slurm's TaskProlog), so no node writes where another might. Without that
+        variable (the local launcher, a notebook) the spec is returned unchanged."""
+        scratch = os.environ.get(NODE_SCRATCH_ENV)
+        if not scratch:
+            return self
+        return self.model_copy(update={"workdir": str(Path(scratch) / "eightfold-jobs" / self.job_id)})
+
+
+NODE_SCRATCH_ENV = "EIGHTFOLD_NODE_SCRATCH"
 
 
 class JobResult(BaseModel):
