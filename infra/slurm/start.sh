@@ -101,6 +101,8 @@ fi
 
 mkdir -p "$STATE"/{run,log,ctld,spool}
 chown slurm:slurm "$STATE/run" "$STATE/log" "$STATE/ctld"   # slurmctld runs as user slurm
+# A cold start is a reboot of the nodes: their scratch dirs start empty.
+rm -rf "$STATE/nodes"
 for n in "${names[@]}"; do
     mkdir -p "$STATE/spool/$n" "$STATE/nodes/$n/tmp"
     chmod 1777 "$STATE/nodes/$n/tmp"   # a scratch dir like /tmp: any job user may write there
