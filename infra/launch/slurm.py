@@ -287,6 +287,7 @@ class SlurmLauncher:
             job_file=str(Path(job_file).resolve()),
             node_health=c.node_health and (spec.config.get("infra") or {}).get("health_check", True),
             node_health_exit=NODE_HEALTH_EXIT,
+            node_health_timeout_s=c.node_health_timeout_s,
         )
 
     @staticmethod

@@ -93,6 +93,22 @@ def test_script_has_shape_resources_exclusions_and_rendezvous(tmp_path):
     assert "export EIGHTFOLD_TEST_MODE=allreduce" in script
 
 
+def test_script_probes_every_node_before_torchrun_unless_health_checks_are_off(tmp_path):
+    spec, job_file = _spec(tmp_path, "health", "allreduce", nproc=1)
+    one_line = " ".join(SlurmLauncher(SlurmConfig(node_health_timeout_s=90)).render(spec, job_file)
+                        .replace("\\\n", " ").split())
+    probe = (f'timeout 90 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=0 {sys.executable} '
+             f"-m infra.node_health probe {job_file.resolve()} || true")
+    verdict = f"-m infra.node_health verdict {job_file.resolve()} --nodes="
+    assert probe in one_line and verdict in one_line
+    assert one_line.index(probe) < one_line.index(verdict) < one_line.index("-m torch.distributed.run")
+    assert "|| exit $?" in one_line.split(verdict, 1)[1]  # a bad node ends the script before training
+    off = SlurmLauncher(SlurmConfig(node_health=False)).render(spec, job_file)
+    spec.config["infra"]["health_check"] = False
+    also_off = SlurmLauncher(SlurmConfig()).render(spec, job_file)
+    assert "node_health" not in off and "node_health" not in also_off and "torch.distributed.run" in off
+
+
 def test_exclude_file_and_config_errors(tmp_path):
     path = tmp_path / "bad.txt"
     record_bad_nodes(path, ["n1", "n2"], reason="health")
