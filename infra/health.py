@@ -461,4 +461,5 @@ def read_node_reports(output_uri: str, endpoint_url: str | None = None) -> dict[
 def read_bad_nodes_from_store(output_uri: str, endpoint_url: str | None = None) -> dict[str, str]:
     """Nodes whose latest report in `{output_uri}/health/` failed: node -> reason (the same shape as
     trainer.health.read_bad_nodes, which reads a local work dir)."""
-    return {n: r.get("reason", "") for n, r in sorted(read_node_reports(output_uri, endpoint_url).items()) if not r.get("ok")}
+    reports = read_node_reports(output_uri, endpoint_url)
+    return {node: r.get("reason", "") for node, r in sorted(reports.items()) if not r.get("ok")}

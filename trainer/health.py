@@ -6,9 +6,9 @@ Pre-flight, on every rank, with the measurements of infra.health run inside the 
 group: devices, a timed all-reduce over all ranks (its sum checked), matmul throughput against the
 expected peak, free disk in the work dir, and (rank 0) a write/read/delete in the output store. A
 failed check ends the job before training with a message naming it and the node, and leaves a report
-in `{workdir}/bad-nodes/` and in the output store's `health/<node>.json` that the launching stage reads to keep the node out of later submits (seed:
-"Teams run health checks between jobs, keep spare nodes ready"; stages/pretrain.py, Slurm's exclude
-file). The collective timeout itself is
+in `{workdir}/bad-nodes/` and in the output store's `health/<node>.json` that the launching stage reads
+to keep the node out of later submits (seed: "Teams run health checks between jobs, keep spare nodes
+ready"; stages/pretrain.py, Slurm's exclude file). The collective timeout itself is
 `parallel.collective_timeout_s`, on every process group (trainer.process_group.init_distributed for the
 default group, trainer/parallel/mesh.py for every group made after it): a hung rank makes its peers'
 collectives fail after that long, the job exits, and torchrun restarts it.
