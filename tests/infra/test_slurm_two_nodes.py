@@ -1,5 +1,5 @@
-"""Two Slurm nodes on this one machine (infra/slurm/start.sh, multiple-slurmd): a node that fails its
-health probe is named and kept out of the next submit, and the real trainer runs through `srun` on
+"""Two Slurm nodes on this one machine (infra/slurm/start.sh, multiple-slurmd): each has its share of
+the cores and its own scratch dir, a node that fails its health probe is named and kept out of the next submit, and the real trainer runs through `srun` on
 2 nodes x 1 rank against the local S3 endpoint with the same losses as one process.
 
 Skipped with the reason when the Slurm has fewer than two nodes (EIGHTFOLD_SLURM_NODES=1)."""
@@ -34,6 +34,21 @@ pytestmark = pytest.mark.distributed
 
 def _launcher(**kwargs) -> SlurmLauncher:
     return SlurmLauncher(SlurmConfig(time_limit="5", poll_interval_s=0.2), **kwargs)
+
+
+def test_each_node_has_its_own_share_of_cores_and_its_own_scratch(slurm_cluster):
+    nodes = slurm_cluster.require_nodes(2)
+    cpus = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %c"], capture_output=True, text=True, check=True).stdout
+    per_node = {line.split()[0]: int(line.split()[1]) for line in cpus.splitlines()}
+    assert sum(per_node.values()) <= max(len(nodes), os.cpu_count()), per_node  # a share, not the whole machine
+    step = subprocess.run(["srun", f"--nodes={len(nodes)}", "--ntasks-per-node=1", "sh", "-c",
+                           'echo "$SLURMD_NODENAME $TMPDIR $EIGHTFOLD_NODE_SCRATCH"'],
+                          capture_output=True, text=True, timeout=60)
+    assert step.returncode == 0, step.stderr
+    seen = {line.split()[0]: line.split()[1:] for line in step.stdout.splitlines()}
+    assert sorted(seen) == nodes  # one task on each node
+    for node, (tmpdir, scratch) in seen.items():
+        assert tmpdir == scratch == str(slurm_cluster.state_dir / "nodes" / node / "tmp")
 
 
 def test_a_node_failing_its_probe_is_named_and_the_next_submit_excludes_it(slurm_cluster, tmp_path):
