@@ -412,3 +412,54 @@ def health_command(config: str | None, overrides: list[str], as_json: bool, chec
         return 0
     console.print(f"[red]health check failed: {', '.join(report.failed)}[/red]")
     return 1
+
+
+# --- per-node reports in a job's output store ------------------------------------------------------
+# A job's nodes share nothing but the object store, so each node's health verdict is written there,
+# next to the job's result: `{output}/health/<node>.json`. The stage reads the bad ones back to keep
+# those nodes out of its retry (Slurm: the exclude file every later submit reads).
+NODE_REPORTS = "health"
+
+
+def node_name() -> str:
+    """This node's name as the scheduler knows it: Slurm's SLURMD_NODENAME inside a job (several
+    nodes on one machine share a hostname), else the hostname."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def write_node_report(store, node: str, ok: bool, reason: str, **meta: Any) -> str:
+    """Record one node's verdict (a healthy node's too: a later pass clears an earlier failure).
+    Returns the key written."""
+    key = f"{NODE_REPORTS}/{node}.json"
+    store.put_json({"node": node, "ok": ok, "reason": reason, "time": time.time(), **meta}, key)
+    return key
+
+
+def read_node_reports(output_uri: str, endpoint_url: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every node report under `{output_uri}/health/`: node -> report. Unreadable ones are skipped."""
+    from infra.store import open_store
+
+    store = open_store(output_uri, endpoint_url=endpoint_url)
+    reports: dict[str, dict[str, Any]] = {}
+    try:
+        keys = store.list(NODE_REPORTS)
+    except FileNotFoundError:
+        return reports
+    for key in keys:
+        if not key.endswith(".json"):
+            continue
+        try:
+            report = store.get_json(key)
+            reports[str(report["node"])] = report
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return reports
+
+
+def read_bad_nodes_from_store(output_uri: str, endpoint_url: str | None = None) -> dict[str, str]:
+    """Nodes whose latest report in `{output_uri}/health/` failed: node -> reason (the same shape as
+    trainer.health.read_bad_nodes, which reads a local work dir)."""
+    reports = read_node_reports(output_uri, endpoint_url)
+    return {node: r.get("reason", "") for node, r in sorted(reports.items()) if not r.get("ok")}

@@ -68,11 +68,15 @@ def _spike_config(ctx: StageContext, spec: JobSpec):
 
 
 def _exclude_bad_nodes(launcher, spec: JobSpec) -> str:
-    """Nodes the failed job's pre-flight found bad (trainer/health.py) go into the launcher's exclude
-    list (Slurm: the exclude file every later submit reads), so the task's retry runs elsewhere."""
+    """Nodes the failed job's health checks found bad (the per-node probe before the job, the trainer's
+    pre-flight: reports in the job's output store, or in this machine's workdir when the store was what
+    failed) go into the launcher's exclude list (Slurm: the exclude file every later submit reads), so
+    the task's retry runs elsewhere."""
+    from infra.health import read_bad_nodes_from_store
+    from infra.launch.base import endpoint_for
     from trainer.health import read_bad_nodes
 
-    bad = read_bad_nodes(spec.workdir)
+    bad = {**read_bad_nodes(spec.workdir), **read_bad_nodes_from_store(spec.output, endpoint_for(spec))}
     if not bad:
         return ""
     exclude = getattr(launcher, "exclude_file", None)

@@ -26,7 +26,7 @@ def run_job(job_file: str) -> int:
     """The `python -m trainer JOB.yaml` entry point: train, then rank 0 writes result.json. Returns the
     process exit code (0 completed, 1 failed, 2 diverged)."""
     audit.install()  # off unless a drill asks (trainer/audit.py)
-    spec = JobSpec.read(job_file)
+    spec = JobSpec.read(job_file).on_this_node()  # inputs cache, staging, heartbeats: this node's own disk
     cfg = LifecycleConfig.model_validate(spec.config)
     init_distributed(cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -6,9 +6,9 @@ Pre-flight, on every rank, with the measurements of infra.health run inside the 
 group: devices, a timed all-reduce over all ranks (its sum checked), matmul throughput against the
 expected peak, free disk in the work dir, and (rank 0) a write/read/delete in the output store. A
 failed check ends the job before training with a message naming it and the node, and leaves a report
-in `{workdir}/bad-nodes/` that the launching stage reads to keep the node out of later submits (seed:
-"Teams run health checks between jobs, keep spare nodes ready"; stages/pretrain.py, Slurm's exclude
-file). The collective timeout itself is
+in `{workdir}/bad-nodes/` and in the output store's `health/<node>.json` that the launching stage reads
+to keep the node out of later submits (seed: "Teams run health checks between jobs, keep spare nodes
+ready"; stages/pretrain.py, Slurm's exclude file). The collective timeout itself is
 `parallel.collective_timeout_s`, on every process group (trainer.process_group.init_distributed for the
 default group, trainer/parallel/mesh.py for every group made after it): a hung rank makes its peers'
 collectives fail after that long, the job exits, and torchrun restarts it.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra.health import Check, HealthReport, allreduce_bandwidth, expected_peak, matmul_throughput
+from infra.health import (Check, HealthReport, allreduce_bandwidth, expected_peak, matmul_throughput, node_name,
+                          write_node_report)
 from infra.store import Store
 
 
@@ -98,7 +98,7 @@ def preflight(device: torch.device, workdir: str | Path, store: Store | None, ra
     report = HealthReport(checks)
     if not report.ok:
         details = "; ".join(f"{c.name}: {c.detail}" for c in report.checks if not c.ok)
-        node = report_bad_node(workdir, rank, details)
+        node = report_bad_node(workdir, rank, details, store)
         raise PreflightFailed(f"rank {rank} on node {node} pre-flight failed: {details}")
     return report
 
@@ -106,13 +106,20 @@ def preflight(device: torch.device, workdir: str | Path, store: Store | None, ra
 BAD_NODES = "bad-nodes"
 
 
-def report_bad_node(workdir: str | Path, rank: int, reason: str) -> str:
-    """Record that this rank's node failed pre-flight (one file per node and rank); returns the node name."""
-    node = socket.gethostname()
+def report_bad_node(workdir: str | Path, rank: int, reason: str, store: Store | None = None) -> str:
+    """Record that this rank's node failed pre-flight (one file per node and rank) and, given the job's
+    output store, in `{output}/health/<node>.json` too, where the stage reads it whatever node this
+    was (infra.health.read_bad_nodes_from_store). Returns the node name (Slurm's, inside a job)."""
+    node = node_name()
     folder = Path(workdir) / BAD_NODES
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{node}.rank{rank}.json").write_text(
         json.dumps({"node": node, "rank": rank, "reason": reason, "time": time.time()}))
+    if store is not None:
+        try:
+            write_node_report(store, node, False, f"rank {rank}: {reason}", rank=rank, source="trainer pre-flight")
+        except Exception as exc:  # the store may be what failed; the local record and the raise still stand
+            print(f"trainer: could not write the bad-node report to {store.uri}: {exc}", flush=True)
     return node
 
 

@@ -1,13 +1,13 @@
 """Where a job's inputs come from and its outputs go, with nothing that needs a path another node sees.
 
-- Node dir: every path a rank writes for itself (input cache, checkpoint staging, heartbeats, the
-  staged output) is under `node_dir(spec)`: `$EIGHTFOLD_NODE_DIR` when the launcher gives each node its
-  own scratch (Slurm, Kubernetes, the local launcher's simulated nodes), else the job's workdir.
+- Workdir: every path a rank writes for itself (input cache, checkpoint staging, heartbeats, the
+  staged output) is under the job's workdir, which `JobSpec.on_this_node` makes the node's own folder
+  when the launcher gives each node one (the local launcher's simulated nodes, Slurm's node scratch).
 - Inputs: local paths and file:// URIs are read in place (a shared filesystem is a file:// store);
-  any other URI (s3://) is downloaded once per node into `{node_dir}/cache/`, every file checked
+  any other URI (s3://) is downloaded once per node into `{workdir}/cache/`, every file checked
   against its sha256 (the store's, recorded at upload), under a lock so a node's ranks download it
   once; a file already there with the right sha256 is kept, so a restart on the same node skips it.
-- Output: file:// outputs are written in place. A remote output is staged in `{node_dir}/output`:
+- Output: file:// outputs are written in place. A remote output is staged in `{workdir}/output`:
   whole files (model.safetensors) go up when the job ends, and the append-only metrics.jsonl goes up
   every `sync_every_s` too, after being seeded from the store's copy at start, so a job resumed on
   another node continues the same file. Checkpoints and result.json go straight to the store
@@ -17,12 +17,10 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from infra.launch.job import NODE_DIR_ENV
 from infra.store import join_key, open_store, open_uri, sha256_file
 
 METRICS = "metrics.jsonl"
@@ -37,13 +35,6 @@ def local_path(uri: str) -> Path:
     return Path(parsed.path if parsed.scheme else uri).expanduser().resolve()
 
 
-def node_dir(workdir: str | Path) -> Path:
-    """This node's own scratch folder: `$EIGHTFOLD_NODE_DIR`, else the job's workdir."""
-    path = Path(os.environ.get(NODE_DIR_ENV) or workdir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def fetch_input(uri: str, workdir: str | Path, name: str, endpoint_url: str | None = None) -> Path:
     """A local folder holding the input `name`: in place when local, else this node's verified cache."""
     if is_local(uri):
@@ -54,7 +45,7 @@ def fetch_input(uri: str, workdir: str | Path, name: str, endpoint_url: str | No
     from filelock import FileLock
 
     store, key = open_uri(uri, endpoint_url)
-    cache = node_dir(workdir) / "cache" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    cache = Path(workdir) / "cache" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
     cache.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache) + ".lock"):
         keys = [k for k in store.list(key) if k != key]
@@ -78,7 +69,7 @@ class OutputFolder:
         """`writer`: the rank that writes the output (rank 0); other ranks only get `path`."""
         self.uri, self.endpoint_url = uri, endpoint_url
         self.remote = not is_local(uri)
-        self.path = node_dir(workdir) / "output" if self.remote else local_path(uri)
+        self.path = Path(workdir) / "output" if self.remote else local_path(uri)
         self.path.mkdir(parents=True, exist_ok=True)
         self.sync_every_s = sync_every_s
         self._synced_at = float("-inf")  # the first sync goes up at once

@@ -28,7 +28,7 @@ from infra.launch.job import JobResult, JobSpec
 
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
-from .job_io import OutputFolder, fetch_input, node_dir
+from .job_io import OutputFolder, fetch_input
 from .lora import apply_lora, merged_state_dict, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
@@ -144,7 +144,7 @@ class PosttrainJob:
             self.reward = load_object(s.reward)
             factory = load_object(s.engine)
             self.engine = factory(model_cfg=self.cfg.model, state_dict=self.current_weights(),
-                                  tokenizer_dir=self.tokenizer_dir, workdir=node_dir(spec.workdir) / "engine",
+                                  tokenizer_dir=self.tokenizer_dir, workdir=Path(spec.workdir) / "engine",
                                   stop_token_ids=stop_token_ids(self.tok), device=self.device.type)
         self.step = 0
 

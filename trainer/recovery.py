@@ -26,7 +26,6 @@ from infra.store import open_store
 
 from .checkpoint import Checkpointer
 from .faults import Faults, ScaledObjective
-from .job_io import node_dir
 from .health import Heartbeat, preflight
 from .spike import SpikeDetector, Verdict
 
@@ -42,7 +41,7 @@ class Recovery:
         self.cfg = t
         self.rank = trainer.rank
         self.store = open_store(spec.output, endpoint_url=endpoint_for(spec))
-        workdir = node_dir(spec.workdir)  # this node's own: staging, heartbeats, fault markers
+        workdir = Path(spec.workdir)  # this node's own (JobSpec.on_this_node): staging, heartbeats, faults
         if trainer.cfg.infra.health_check:
             report = preflight(trainer.device, workdir, self.store, self.rank)
             if self.rank == 0:

@@ -47,6 +47,12 @@ class SlurmConfig(Section):
         "so jobs sharing a node do not collide",
     )
     max_restarts: int = Field(0, ge=0, description="torchrun --max-restarts inside one allocation")
+    node_health: bool = Field(
+        True, description="probe every node of the allocation (srun step) before training; needs infra.health_check too"
+    )
+    node_health_timeout_s: int = Field(
+        300, ge=10, description="a node whose probe has not reported by then is named bad (a hung device, a dead mount)"
+    )
     setup: list[str] = Field(default_factory=list, description="shell lines run before srun (module load, source venv)")
     python: str | None = Field(None, description="Python on the nodes; default the interpreter that submits")
     extra_args: list[str] = Field(default_factory=list, description="more #SBATCH lines, e.g. --constraint=h100")

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-# A node's own scratch folder, set by a launcher that gives each node one (trainer.job_io.node_dir):
-# every path a job writes for itself lives there; nodes share nothing but the object store.
+# A node's own folder for a job (set by the local launcher for each simulated node), or the cluster's
+# scratch root of a node (set by the Slurm script): JobSpec.on_this_node. Every path a job writes for
+# itself lives there; nodes share nothing but the object store.
 NODE_DIR_ENV = "EIGHTFOLD_NODE_DIR"
+NODE_SCRATCH_ENV = "EIGHTFOLD_NODE_SCRATCH"
 
 
 class TrackingRef(BaseModel):
@@ -56,6 +59,18 @@ class JobSpec(BaseModel):
     @classmethod
     def read(cls, path: str | Path) -> "JobSpec":
         return cls.model_validate(yaml.safe_load(Path(path).read_text()))
+
+    def on_this_node(self) -> "JobSpec":
+        """This spec as one node of a job sees it: `workdir` is the node's own folder, so no node writes
+        where another might. The launcher's node folder ($EIGHTFOLD_NODE_DIR: the local launcher's
+        simulated nodes) or the cluster's node scratch ($EIGHTFOLD_NODE_SCRATCH/eightfold-jobs/<job_id>:
+        the Slurm script, infra/slurm's TaskProlog); without either (one process, a notebook) the spec
+        is returned unchanged."""
+        if os.environ.get(NODE_DIR_ENV):
+            return self.model_copy(update={"workdir": os.environ[NODE_DIR_ENV]})
+        if os.environ.get(NODE_SCRATCH_ENV):
+            return self.model_copy(update={"workdir": str(Path(os.environ[NODE_SCRATCH_ENV]) / "eightfold-jobs" / self.job_id)})
+        return self
 
 
 class JobResult(BaseModel):

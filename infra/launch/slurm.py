@@ -3,8 +3,10 @@
 
 The script asks for `nnodes` nodes with one task each; `srun` starts one torchrun agent per node and
 the agents meet at a c10d rendezvous on the allocation's first node (`scontrol show hostnames`).
-Nodes that failed health checks are kept out with `--exclude`, from the config's list and from a
-file the health check appends to. The job's workdir and job file must be on a filesystem every node
+Before torchrun, one health probe per node (infra/node_health.py) writes each node's report to the
+job's output store; a bad node is named in result.json and the job exits NODE_HEALTH_EXIT (75)
+without training. Nodes that failed health checks are kept out with `--exclude`, from the config's
+list and from a file the stage appends to. The job's workdir and job file must be on a filesystem every node
 sees (the usual shared home or scratch of a cluster); outputs go to the job's output URI.
 
 State comes from `scontrol show job` (not `sbatch --wait`, which polls at 2 s, 8 s, 32 s). A job
@@ -24,6 +26,7 @@ from typing import Iterator
 from infra.config.launch import SlurmConfig
 from infra.launch.base import follow_file, read_result
 from infra.launch.job import JobResult, JobSpec
+from infra.node_health import NODE_HEALTH_EXIT
 from infra.templates import render_template
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -282,6 +285,9 @@ class SlurmLauncher:
             max_restarts=c.max_restarts,
             module=self.module,
             job_file=str(Path(job_file).resolve()),
+            node_health=c.node_health and (spec.config.get("infra") or {}).get("health_check", True),
+            node_health_exit=NODE_HEALTH_EXIT,
+            node_health_timeout_s=c.node_health_timeout_s,
         )
 
     @staticmethod

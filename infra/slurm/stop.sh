@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stop the single-node Slurm that infra/slurm/start.sh started: cancel its jobs (so no job
-# process outlives the cluster), then stop slurmd, slurmctld and, if start.sh started it, munged,
-# each by the pid in its pid file. Safe to run when nothing is running.
+# Stop the Slurm that infra/slurm/start.sh started: cancel its jobs (so no job process outlives the
+# cluster), then stop every node's slurmd, slurmctld and, if start.sh started it, munged, each by the
+# pid in its pid file. Safe to run when nothing is running.
 set -euo pipefail
 
 STATE=${EIGHTFOLD_SLURM_STATE:-/var/lib/eightfold-slurm}
@@ -47,7 +47,10 @@ stop_daemons() {
     done
 }
 
-stop_daemons slurmd slurmctld
+# One slurmd per node (slurmd-<node>.pid); slurmd.pid is the single-node layout of earlier versions.
+slurmds=(slurmd)
+for f in "$STATE"/run/slurmd-*.pid; do [[ -e $f ]] && slurmds+=("$(basename "$f" .pid)"); done
+stop_daemons "${slurmds[@]}" slurmctld
 # munged only when start.sh started it (it copied the pid file); a system munged is left alone.
 if [[ -s $STATE/run/munged.pid ]]; then
     stop_daemons munged

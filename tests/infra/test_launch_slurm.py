@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,10 +87,26 @@ def test_script_has_shape_resources_exclusions_and_rendezvous(tmp_path):
     assert "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --cpus-per-task=96 --kill-on-bad-exit=1" in one_line
     assert (
         '-m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node=4 --rdzv-backend=c10d '
-        '--rdzv-endpoint="$head_node:$rdzv_port" --rdzv-id="$SLURM_JOB_ID"'
+        '--rdzv-endpoint="$head_addr:$rdzv_port" --rdzv-id="$SLURM_JOB_ID"'
     ) in one_line
     assert one_line.endswith(f"-m trainer {job_file.resolve()}")
     assert "export EIGHTFOLD_TEST_MODE=allreduce" in script
+
+
+def test_script_probes_every_node_before_torchrun_unless_health_checks_are_off(tmp_path):
+    spec, job_file = _spec(tmp_path, "health", "allreduce", nproc=1)
+    one_line = " ".join(SlurmLauncher(SlurmConfig(node_health_timeout_s=90)).render(spec, job_file)
+                        .replace("\\\n", " ").split())
+    probe = (f'timeout 90 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=0 {sys.executable} '
+             f"-m infra.node_health probe {job_file.resolve()} || true")
+    verdict = f"-m infra.node_health verdict {job_file.resolve()} --nodes="
+    assert probe in one_line and verdict in one_line
+    assert one_line.index(probe) < one_line.index(verdict) < one_line.index("-m torch.distributed.run")
+    assert "|| exit $?" in one_line.split(verdict, 1)[1]  # a bad node ends the script before training
+    off = SlurmLauncher(SlurmConfig(node_health=False)).render(spec, job_file)
+    spec.config["infra"]["health_check"] = False
+    also_off = SlurmLauncher(SlurmConfig()).render(spec, job_file)
+    assert "node_health" not in off and "node_health" not in also_off and "torch.distributed.run" in off
 
 
 def test_exclude_file_and_config_errors(tmp_path):
@@ -185,10 +202,11 @@ def test_failing_job_reports_failed(slurm_cluster, tmp_path):
     assert launcher.result(spec) is None  # it wrote no result.json
 
 
-def test_excluding_the_only_node_is_refused_by_slurm(slurm_cluster, tmp_path):
+def test_excluding_every_node_is_refused_by_slurm(slurm_cluster, tmp_path):
     spec, job_file = _spec(tmp_path, "excluded", "allreduce", nproc=1)
-    node = socket.gethostname().split(".")[0]
-    record_bad_nodes(tmp_path / "exclude.txt", [node], reason="failed health check")
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()
+    assert nodes, "sinfo lists no node"
+    record_bad_nodes(tmp_path / "exclude.txt", sorted(set(nodes)), reason="failed health check")
     launcher = SlurmLauncher(SlurmConfig(time_limit="1"), exclude_file=tmp_path / "exclude.txt")
     with pytest.raises(SlurmError, match="node configuration is not available"):
         launcher.submit(spec, job_file)

@@ -8,29 +8,36 @@ import pytest
 
 from fixtures.s3 import s3_endpoint, s3_store  # noqa: F401
 from infra.store import ChecksumMismatch
-from trainer.job_io import NODE_DIR_ENV, OutputFolder, fetch_input, node_dir
+from infra.launch.job import NODE_DIR_ENV, JobSpec
+from trainer.job_io import OutputFolder, fetch_input
+
+
+def _node_workdir(monkeypatch, node_dir) -> str:
+    """The job's workdir as a rank on that node sees it (JobSpec.on_this_node under the local launcher)."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(node_dir))
+    spec = JobSpec(job_id="j", config={}, output="unused", workdir="/orchestrator/jobs/j")
+    return spec.on_this_node().workdir
 
 
 def test_remote_input_is_cached_per_node_and_checked(s3_store, tmp_path, monkeypatch):
     s3_store.put_bytes(b"a" * 1000, "tokens/train/shard-0.bin")
     s3_store.put_bytes(b"{}", "tokens/train/index.json")
     uri = s3_store.url("tokens")
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
-    got = fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url)
-    assert got.is_relative_to(tmp_path / "node0" / "cache")  # the node's own folder, not the job's workdir
+    work = _node_workdir(monkeypatch, tmp_path / "node0")
+    got = fetch_input(uri, work, "tokens", s3_store.endpoint_url)
+    assert got.is_relative_to(tmp_path / "node0" / "cache")  # the node's own folder
     assert (got / "train" / "shard-0.bin").read_bytes() == b"a" * 1000
-    assert not (tmp_path / "work").exists()
 
     # A second attempt on the node keeps a good copy, and replaces a corrupted one
     (got / "train" / "index.json").write_bytes(b"[]")
     mtime = (got / "train" / "shard-0.bin").stat().st_mtime_ns
-    assert fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url) == got
+    assert fetch_input(uri, work, "tokens", s3_store.endpoint_url) == got
     assert (got / "train" / "shard-0.bin").stat().st_mtime_ns == mtime
     assert (got / "train" / "index.json").read_bytes() == b"{}"
 
     # Another node has its own cache
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node1"))
-    assert fetch_input(uri, tmp_path / "work", "tokens", s3_store.endpoint_url).is_relative_to(tmp_path / "node1")
+    other = _node_workdir(monkeypatch, tmp_path / "node1")
+    assert fetch_input(uri, other, "tokens", s3_store.endpoint_url).is_relative_to(tmp_path / "node1")
 
 
 def test_a_download_that_does_not_match_the_stores_sha256_is_refused(s3_store, tmp_path, monkeypatch):
@@ -39,9 +46,9 @@ def test_a_download_that_does_not_match_the_stores_sha256_is_refused(s3_store, t
     key = s3_store._key("tokens/train/shard-0.bin")
     s3_store.client.copy_object(Bucket=s3_store.bucket, Key=key, CopySource={"Bucket": s3_store.bucket, "Key": key},
                                 Metadata={"sha256": "0" * 64}, MetadataDirective="REPLACE")
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
     with pytest.raises(ChecksumMismatch, match="shard-0.bin"):
-        fetch_input(s3_store.url("tokens"), tmp_path / "work", "tokens", s3_store.endpoint_url)
+        fetch_input(s3_store.url("tokens"), _node_workdir(monkeypatch, tmp_path / "node0"), "tokens",
+                    s3_store.endpoint_url)
     assert not list((tmp_path / "node0" / "cache").rglob("shard-0.bin"))
 
 
@@ -54,9 +61,8 @@ def test_local_input_is_read_in_place(tmp_path):
 
 def test_metrics_of_a_remote_output_follow_the_job_across_nodes(s3_store, tmp_path, monkeypatch):
     uri = s3_store.url("runs/pretrain")
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node0"))
-    first = OutputFolder(uri, tmp_path / "work", s3_store.endpoint_url, sync_every_s=3600)
-    assert first.path == node_dir(tmp_path / "work") / "output"
+    first = OutputFolder(uri, _node_workdir(monkeypatch, tmp_path / "node0"), s3_store.endpoint_url, sync_every_s=3600)
+    assert first.path == tmp_path / "node0" / "output"
     (first.path / "metrics.jsonl").write_text('{"step": 1}\n')
     first.sync()  # the first sync goes up at once
     (first.path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
@@ -66,11 +72,9 @@ def test_metrics_of_a_remote_output_follow_the_job_across_nodes(s3_store, tmp_pa
     assert s3_store.get_bytes("runs/pretrain/metrics.jsonl").count(b"\n") == 2
 
     # the next attempt runs on another node: it continues the store's file
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node1"))
-    second = OutputFolder(uri, tmp_path / "work", s3_store.endpoint_url)
+    second = OutputFolder(uri, _node_workdir(monkeypatch, tmp_path / "node1"), s3_store.endpoint_url)
     assert (second.path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     # only the writing rank seeds and uploads
-    monkeypatch.setenv(NODE_DIR_ENV, str(tmp_path / "node2"))
-    reader = OutputFolder(uri, tmp_path / "work2", s3_store.endpoint_url, writer=False)
+    reader = OutputFolder(uri, _node_workdir(monkeypatch, tmp_path / "node2"), s3_store.endpoint_url, writer=False)
     assert not (reader.path / "metrics.jsonl").exists()
     reader.publish()
