@@ -52,26 +52,64 @@ def _write_attempts(spec: JobSpec, attempts: list[dict[str, Any]]) -> None:
     _store(spec).put_json(attempts, ATTEMPTS)
 
 
-def next_launch(spec: JobSpec, spike: SpikeConfig) -> JobSpec:
-    """The job file of the next launch: its attempt number, the LR cap after the divergences so far
-    and every data window an earlier attempt found spiking. Clears an earlier attempt's result.json."""
+def next_launch(spec: JobSpec, spike: SpikeConfig, log: Callable[[str], None] = print) -> JobSpec:
+    """The job file of the next launch: its attempt number, the LR cap after the divergences so far,
+    every data window an earlier attempt found spiking and, with `infra.elastic`, the nodes left after
+    those found bad. Clears an earlier attempt's result.json."""
     attempts = read_attempts(spec)
     if attempts:  # a killed job writes no result.json: never read the previous attempt's as this one's
         _store(spec).delete("result.json")
     diverged = sum(1 for a in attempts if a["status"] == "diverged")
     windows = sorted({tuple(w) for a in attempts for w in a.get("skip_windows", [])})
+    lost = sorted({n for a in attempts for n in a.get("bad_nodes", [])})
+    config = spec.config
+    if lost and (spec.config.get("infra") or {}).get("elastic"):
+        config = _without_nodes(spec, len(lost), log)
     return spec.model_copy(update={"attempt": len(attempts), "lr_scale": spike.task_lr_factor ** diverged,
-                                   "skip_windows": [list(w) for w in windows],
+                                   "skip_windows": [list(w) for w in windows], "config": config,
                                    "previous_attempt_ended_at": attempts[-1]["ended_at"] if attempts else None})
 
 
+def _without_nodes(spec: JobSpec, lost: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """The job's config on `lost` fewer nodes: data parallelism shrinks with the world (the checkpoint
+    reshards: trainer.checkpoint), the global batch stays. The config unchanged, and why, when the
+    mesh cannot shrink that way (no node left; pp x cp x tp not dividing what is left; the batch)."""
+    from pydantic import ValidationError
+
+    from infra.config import LifecycleConfig
+
+    par = spec.config["parallel"]
+    nodes = par["nnodes"] - lost
+    inner = par.get("pp", 1) * par.get("cp", 1) * par.get("tp", 1)
+    world = nodes * par["nproc_per_node"]
+    why = ""
+    if nodes < 1:
+        why = "no node left"
+    elif world % inner:
+        why = f"{world} ranks are not a multiple of pp*cp*tp = {inner}"
+    else:
+        config = {**spec.config, "parallel": {**par, "nnodes": nodes, "dp": world // inner}}
+        try:
+            LifecycleConfig.model_validate(config)
+        except ValidationError as err:
+            why = str(err).splitlines()[0]
+        else:
+            log(f"{spec.stage}: elastic: {lost} node(s) lost; the next launch runs on {nodes} node(s), "
+                f"dp {par['dp']} -> {world // inner}")
+            return config
+    log(f"{spec.stage}: elastic: cannot drop {lost} node(s) ({why}); relaunching on {par['nnodes']}")
+    return spec.config
+
+
 def settle(spec: JobSpec, result: JobResult | None, exit_code: int, spike: SpikeConfig,
-           log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Record how this launch ended; after a divergence, roll the output back one checkpoint (or say
-    the budget is spent). Returns the attempt's record (its `event` says what was done)."""
+           log: Callable[[str], None] = print, bad_nodes: list[str] | None = None) -> dict[str, Any]:
+    """Record how this launch ended (and the nodes its health checks found bad); after a divergence,
+    roll the output back one checkpoint (or say the budget is spent). Returns the attempt's record (its
+    `event` says what was done)."""
     attempts = read_attempts(spec)
     status = result.status if result else "failed"
     record: dict[str, Any] = {"attempt": spec.attempt, "status": status, "exit_code": exit_code,
+                              "nodes": spec.config.get("parallel", {}).get("nnodes", 1), "bad_nodes": bad_nodes or [],
                               "steps": result.steps if result else None, "lr_scale": spec.lr_scale,
                               "checkpoint": result.checkpoint if result else None, "ended_at": time.time(),
                               "skip_windows": result.skip_windows if result else [], "event": "none"}

@@ -67,16 +67,19 @@ def _spike_config(ctx: StageContext, spec: JobSpec):
     return section.spike
 
 
-def _exclude_bad_nodes(launcher, spec: JobSpec) -> str:
-    """Nodes the failed job's health checks found bad (the per-node probe before the job, the trainer's
-    pre-flight: reports in the job's output store, or in this machine's workdir when the store was what
-    failed) go into the launcher's exclude list (Slurm: the exclude file every later submit reads), so
-    the task's retry runs elsewhere."""
+def _bad_nodes(spec: JobSpec) -> dict[str, str]:
     from infra.health import read_bad_nodes_from_store
     from infra.launch.base import endpoint_for
     from trainer.health import read_bad_nodes
 
-    bad = {**read_bad_nodes(spec.workdir), **read_bad_nodes_from_store(spec.output, endpoint_for(spec))}
+    return {**read_bad_nodes(spec.workdir), **read_bad_nodes_from_store(spec.output, endpoint_for(spec))}
+
+
+def _exclude_bad_nodes(launcher, spec: JobSpec, bad: dict[str, str]) -> str:
+    """Nodes the failed job's health checks found bad (the per-node probe before the job, the trainer's
+    pre-flight: reports in the job's output store, or in this machine's workdir when the store was what
+    failed) go into the launcher's exclude list (Slurm: the exclude file every later submit reads), so
+    the task's retry runs elsewhere."""
     if not bad:
         return ""
     exclude = getattr(launcher, "exclude_file", None)
@@ -99,7 +102,9 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
         spec = next_launch(spec, spike)
         if spec.attempt:
             ctx.log_metrics({"task.attempt": float(spec.attempt), "task.lr_scale": spec.lr_scale}, None)
-    launcher = get_launcher(ctx.cfg)
+    # the job's own config: an elastic retry may run on fewer nodes than the stage's config says
+    launcher = get_launcher(ctx.cfg if spec.config == ctx.cfg.model_dump(mode="json")
+                            else type(ctx.cfg).model_validate(spec.config))
     job_file = spec.write(Path(spec.workdir) / "job.yaml")
     handle = launcher.submit(spec, job_file)
     try:
@@ -118,9 +123,10 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
     status = result.status if result else "no result.json"
     message = result.message if result else ""
     error: type[TrainingJobFailed] = TrainingJobFailed
-    event = _exclude_bad_nodes(launcher, spec)
+    bad = _bad_nodes(spec)
+    event = _exclude_bad_nodes(launcher, spec, bad)
     if spike is not None:
-        record = settle(spec, result, code, spike)
+        record = settle(spec, result, code, spike, bad_nodes=sorted(bad))
         event += f"; {record['event']}"
         ctx.log_metrics({f"task.{record['status']}": 1.0, **({"task.rollback_to_step": float(record["resume_step"])}
                                                             if "resume_step" in record else {})}, None)

@@ -63,3 +63,32 @@ def test_rollback_without_an_earlier_checkpoint_restarts_from_scratch(tmp_path):
     rec = settle(next_launch(_spec(tmp_path), spike), JobResult(status="diverged", steps=12), 2, spike,
                  log=lambda m: None)
     assert rec["resume_step"] == 0 and committed_steps(FileStore(str(tmp_path))) == []
+
+
+def _two_node_spec(out, elastic: bool) -> JobSpec:
+    from fixtures.trainer_data import tiny_config
+
+    cfg = tiny_config().model_dump(mode="json")
+    cfg["parallel"].update(nnodes=2, nproc_per_node=1, dp=2)
+    cfg["infra"]["elastic"] = elastic
+    return JobSpec(job_id="j", stage="pretrain", config=cfg, output=str(out), workdir=str(out / "w"))
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_lost_node_shrinks_the_next_launch_only_when_elastic(tmp_path, elastic):
+    spike, said = SpikeConfig(), []
+    first = next_launch(_two_node_spec(tmp_path, elastic), spike)
+    settle(first, None, 1, spike, log=said.append, bad_nodes=["vm-2"])
+    second = next_launch(_two_node_spec(tmp_path, elastic), spike, log=said.append)
+    assert read_attempts(second)[0]["bad_nodes"] == ["vm-2"]
+    want = (1, 1) if elastic else (2, 2)
+    assert (second.config["parallel"]["nnodes"], second.config["parallel"]["dp"]) == want
+    assert second.config["pretrain"]["global_batch_size"] == first.config["pretrain"]["global_batch_size"]
+    if elastic:
+        assert "runs on 1 node(s), dp 2 -> 1" in said[-1]
+    # a second lost node leaves none: the launch keeps its size and says why
+    settle(second, None, 1, spike, log=said.append, bad_nodes=["vm-1"])
+    third = next_launch(_two_node_spec(tmp_path, elastic), spike, log=said.append)
+    assert third.config["parallel"]["nnodes"] == 2
+    if elastic:
+        assert "no node left" in said[-1]

@@ -12,7 +12,7 @@ import torch
 from infra.launch.job import JobSpec
 from infra.launch.local import LocalLauncher
 from infra.launch.slurm import SlurmLauncher
-from stages.pretrain import _exclude_bad_nodes
+from stages.pretrain import _bad_nodes, _exclude_bad_nodes
 from trainer.health import PreflightFailed, preflight, read_bad_nodes
 
 
@@ -27,9 +27,10 @@ def test_a_failed_preflight_names_the_node_and_slurm_excludes_it(tmp_path):
     spec = JobSpec(job_id="pretrain-1", stage="pretrain", config={}, inputs={}, output=str(tmp_path / "out"),
                    workdir=str(work))
     slurm = SlurmLauncher(exclude_file=tmp_path / "exclude-nodes.txt")
-    event = _exclude_bad_nodes(slurm, spec)
+    assert _bad_nodes(spec) == bad
+    event = _exclude_bad_nodes(slurm, spec, bad)
     assert socket.gethostname() in event and "excluded from later submits" in event
     assert slurm.excluded_nodes() == [socket.gethostname()]  # what the next sbatch --exclude gets
-    _exclude_bad_nodes(slurm, spec)  # reported again: listed once
+    _exclude_bad_nodes(slurm, spec, bad)  # reported again: listed once
     assert slurm.excluded_nodes() == [socket.gethostname()]
-    assert "nothing to exclude" in _exclude_bad_nodes(LocalLauncher(nproc_per_node=1), spec)
+    assert "nothing to exclude" in _exclude_bad_nodes(LocalLauncher(nproc_per_node=1), spec, bad)
