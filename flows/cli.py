@@ -260,6 +260,7 @@ def drill_node_loss(
     elastic: Optional[bool] = typer.Option(None, "--elastic/--same-nodes",
                                            help="retry on the node left (default: infra.elastic)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the step the node is lost at"),
+    launcher: str = typer.Option("auto", "--launcher", help="auto (Slurm when two nodes are up), local or slurm"),
 ) -> None:
     """Lose one node of a two-node pretrain job at a random step; check the retry resumes from the last
     checkpoint in the store and ends where the uninterrupted job ends. Exit 1 when it does not."""
@@ -275,7 +276,7 @@ def drill_node_loss(
     for name in ("data", "tokenizer", "tokens"):  # the packed tokens the job reads (cached when committed)
         refs[name] = execute_stage(cfg, name, {k: refs[k] for k in STAGES[name].inputs}, log=say)
     try:
-        report = node_loss(cfg, refs["tokens"].uri, elastic=elastic, seed=seed, log=say)
+        report = node_loss(cfg, refs["tokens"].uri, elastic=elastic, seed=seed, launcher=launcher, log=say)
     except DrillFailed as err:
         console.print(f"[red]drill node-loss failed: {err}[/red]")
         raise typer.Exit(1)

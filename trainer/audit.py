@@ -26,8 +26,9 @@ def install() -> None:
     if not folder:
         return
     os.makedirs(folder, exist_ok=True)
-    node = os.environ.get("EIGHTFOLD_NODE_DIR") or os.uname().nodename
-    out = open(os.path.join(folder, f"{os.uname().nodename}-{os.getpid()}.jsonl"), "a", buffering=1)
+    # the local launcher's simulated node (its folder), Slurm's node name, else the host
+    node = os.environ.get("EIGHTFOLD_NODE_DIR") or os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    out = open(os.path.join(folder, f"{os.path.basename(node)}-{os.getpid()}.jsonl"), "a", buffering=1)
     seen: set[str] = set()
     lock = threading.Lock()
     busy = threading.local()

@@ -145,7 +145,6 @@ class Recovery:
         if self.steps_this_attempt == 1 and self.last_seen is not None:
             # Failure to first new step: the previous attempt's last heartbeat is when it was last alive.
             self.figures["restart_s"] = time.time() - self.last_seen
-            self.figures["resumed_from_step"] = float(self.resumed_from or 0)
             sink.log({"restart_s": self.figures["restart_s"], "resumed_from_step": float(self.resumed_from or 0)}, step)
             if self.rank == 0:
                 log(f"trainer: first step {step} after restart, {self.figures['restart_s']:.2f}s after the last "

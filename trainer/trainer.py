@@ -157,7 +157,7 @@ class Trainer:
             last["tokens_per_s"] = statistics.median(speeds)
             last["mfu"] = self.flops_per_token * last["tokens_per_s"] / (self.peak_flops * self.dims.world_size)
         return JobResult(status=status, steps=self.step, metrics=last, message=message, checkpoint=checkpoint,
-                         skip_windows=self.recovery.skip_windows)
+                         skip_windows=self.recovery.skip_windows, resumed_from_step=self.recovery.resumed_from)
 
     def _estimate_vs_measured(self) -> dict[str, float]:
         """The estimator's figures (trainer/estimate) next to what torch's FLOP counter measures on this

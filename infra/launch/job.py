@@ -85,3 +85,4 @@ class JobResult(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     message: str = ""
     skip_windows: list[list[int]] = Field(default_factory=list, description="data windows skipped after spikes")
+    resumed_from_step: int | None = Field(None, description="the checkpoint step this launch resumed from")
