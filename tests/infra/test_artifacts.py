@@ -208,3 +208,31 @@ def test_artifacts_command_bad_config_names_the_field(capsys):
     assert artifacts_command("tiny", ["infra.store=ftp://x"], None, True) == 2
     err = capsys.readouterr().err
     assert "infra.store" in err and "ftp://x" in err
+
+
+def test_commit_takes_in_what_a_job_wrote_to_the_store(store, tmp_path):
+    """A training job writes straight under the artifact's prefix; the commit describes those files by
+    the store's size and sha256 (no download on S3), a local file of the same name wins, and a killed
+    save's checkpoint folder (no manifest) is dropped first, at any depth."""
+    import hashlib
+
+    from trainer.checkpoint import drop_uncommitted
+
+    prefix = "exp/pretrain/0123456789abcdef"
+    store.put_bytes(b"shard", f"{prefix}/checkpoints/step_00000004/__0_0.distcp")
+    store.put_bytes(b"{}", f"{prefix}/checkpoints/step_00000004/manifest.json")
+    store.put_bytes(b"half", f"{prefix}/checkpoints/step_00000008/__0_0.distcp")  # killed before its manifest
+    store.put_bytes(b"half", f"{prefix}/sft/checkpoints/step_00000002/__0_0.distcp")
+    store.put_bytes(b'{"step": 1}\n', f"{prefix}/metrics.jsonl")
+    store.put_bytes(b"old", f"{prefix}/summary.json")
+    assert drop_uncommitted(store, prefix) == [f"{prefix}/checkpoints/step_00000008", f"{prefix}/sft/checkpoints/step_00000002"]
+
+    art = commit_artifact(store, "exp", "pretrain", "0123456789abcdef", make_dir(tmp_path / "local", {"summary.json": b"new"}),
+                          config={})
+    assert sorted(art.files) == ["checkpoints/step_00000004/__0_0.distcp", "checkpoints/step_00000004/manifest.json",
+                                 "metrics.jsonl", "summary.json"]
+    assert art.files["metrics.jsonl"] == {"sha256": hashlib.sha256(b'{"step": 1}\n').hexdigest(), "size": 12}
+    assert art.files["summary.json"]["sha256"] == hashlib.sha256(b"new").hexdigest()
+    assert store.get_bytes(f"{prefix}/summary.json") == b"new"
+    got = find_artifact(store, "exp", "pretrain", "0123456789abcdef").download(tmp_path / "copy")
+    assert (got / "checkpoints" / "step_00000004" / "__0_0.distcp").read_bytes() == b"shard"
