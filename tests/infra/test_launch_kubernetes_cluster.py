@@ -1,0 +1,148 @@
+"""The Kubernetes launcher end to end against the stand-in cluster (infra/k8s/README.md: no real
+kube-apiserver installs on this machine): `infra.launcher: kubernetes` with an s3:// output; the
+launcher creates the ConfigMap and the JobSet (or a plain Indexed Job), the controllers make the pods,
+the node runs each pod's torchrun in its own namespaces, the ranks rendezvous across the two pods by
+their DNS names and write result.json to the local S3 endpoint, which the launcher reads back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config as kube_config
+
+from infra.config import LifecycleConfig
+from infra.launch import get_launcher
+from infra.launch.job import JobSpec
+from infra.launch.kubernetes import KubernetesJob, object_name
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = "fixtures.launch_worker"  # a stand-in for `-m trainer`: gloo all_reduce, sleep or fail
+SECRET = "s3-credentials"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def core(k8s_cluster, s3_endpoint):
+    """The CoreV1Api of the stand-in cluster, with the S3 credentials the pods take from a Secret."""
+    api = client.CoreV1Api(kube_config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig)))
+    creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    try:
+        api.create_namespaced_secret("default", {"metadata": {"name": SECRET}, "stringData": creds})
+    except client.exceptions.ApiException as exc:
+        assert exc.status == 409, exc  # made by an earlier test of this session
+    return api
+
+
+def _launch(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, mode: str, **k8s):
+    cfg = LifecycleConfig.model_validate({
+        "parallel": {"nnodes": 2, "nproc_per_node": 1, "dp": 2},
+        "infra": {"launcher": "kubernetes", "store": f"s3://{bucket}/exp", "s3_endpoint_url": s3_endpoint,
+                  "device": "cpu",
+                  "kubernetes": {"kind": kind, "image": "eightfold:this-checkout", "kubeconfig": str(cluster.kubeconfig),
+                                 "cpu": "100m", "memory": "1Gi", "shm_size": "64Mi", "env_from_secret": SECRET,
+                                 "rdzv_port": _free_port(), "termination_grace_s": 2, "poll_s": 0.2,
+                                 "ttl_seconds_after_finished": None, **k8s}},
+    })  # fmt: skip
+    job_id = f"pretrain-{kind}-{mode}-{os.urandom(3).hex()}"
+    spec = JobSpec(
+        job_id=job_id, stage="pretrain", config=cfg.model_dump(mode="json"),
+        output=f"s3://{bucket}/exp/pretrain/{job_id}", workdir=str(tmp_path / "jobs" / job_id),
+        # The "image" is this checkout: the worker module lives in tests/fixtures.
+        env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "EIGHTFOLD_TEST_MODE": mode},
+    )  # fmt: skip
+    launcher = get_launcher(cfg, module=WORKER)
+    assert launcher.name == "kubernetes"
+    return launcher, spec, launcher.submit(spec, spec.write(Path(spec.workdir) / "job.yaml"))
+
+
+def _processes_of(job_id: str) -> list[int]:
+    """Pids on this machine whose environment carries the job's id (every rank and torchrun agent)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"EIGHTFOLD_JOB_ID={job_id}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_jobset_runs_two_pods_that_rendezvous_and_write_result_to_s3(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
+    launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce")
+    assert isinstance(job, KubernetesJob) and launcher.result(spec) is None
+    assert job.wait(timeout=120) == 0, job.log_path.read_text()
+
+    result = launcher.result(spec)  # read from s3://.../result.json, written by rank 0 inside a pod
+    assert result is not None and result.status == "completed"
+    assert result.metrics == {"all_reduce_sum": 3.0, "world_size": 2.0}  # ranks 0 and 1 in two pods
+    name = object_name(spec.job_id)
+    assert result.model_extra["hostname"] in (f"{name}-node-0-0", f"{name}-node-0-1")  # a pod's own hostname
+
+    log = job.log_path.read_text()
+    for pod in (f"{name}-node-0-0-", f"{name}-node-0-1-"):
+        assert f"[kubernetes] pod {pod}" in log and "Running" in log
+    assert "Succeeded (exit code 0)" in log
+    assert "mode allreduce" in log  # the first pod's own output streamed into the job's log
+    kept = sorted(p.name for p in job.log_path.with_suffix("").iterdir())
+    assert len(kept) == 2 and all(k.startswith(f"{name}-node-0-") for k in kept)
+    # The JobSet owns its ConfigMap now: deleting the JobSet would take it along.
+    cm = core.read_namespaced_config_map(f"{name}-job", "default")
+    assert [r.kind for r in cm.metadata.owner_references] == ["JobSet"]
+    assert not _processes_of(spec.job_id)
+
+
+def test_cancel_deletes_the_job_and_kills_every_rank(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
+    # A plain Indexed Job + headless Service; rank 1 ignores SIGTERM.
+    launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "job", "sleep")
+    name = object_name(spec.job_id)
+    deadline = time.monotonic() + 90
+    while len(_processes_of(spec.job_id)) < 4:  # two torchrun agents and their two ranks
+        assert job.poll() in ("pending", "running") and time.monotonic() < deadline, job.log_path.read_text()
+        time.sleep(0.3)
+    assert job.poll() == "running"
+    assert core.read_namespaced_service(name, "default").spec.cluster_ip == "None"
+
+    started = time.monotonic()
+    job.cancel()  # what the stage does on Ctrl-C or a cancelled flow run
+    took = time.monotonic() - started
+    assert job.poll() == "cancelled"
+    assert job.pods() == [] and not _processes_of(spec.job_id)
+    assert took < 15, took  # torchrun stops its ranks on SIGTERM; the node SIGKILLs whatever is left
+    for read in (lambda: client.BatchV1Api(core.api_client).read_namespaced_job(name, "default"),
+                 lambda: core.read_namespaced_config_map(f"{name}-job", "default"),
+                 lambda: core.read_namespaced_service(name, "default")):  # fmt: skip
+        with pytest.raises(client.exceptions.ApiException) as err:
+            read()
+        assert err.value.status == 404
+    assert "no pod left" in job.log_path.read_text()
+    assert launcher.result(spec) is None
+
+
+def test_a_failing_rank_fails_the_job_and_names_its_exit_code(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
+    launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "fail")
+    assert job.wait(timeout=120) == 1
+    log = job.log_path.read_text()
+    assert "Failed (exit code" in log, log
+    assert launcher.result(spec) is None and not _processes_of(spec.job_id)
+
+
+def test_pods_that_fit_no_node_stay_pending_and_say_why(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
+    # The node has no GPU: the scheduler leaves the pods Pending, as a real one does.
+    _, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce", gpus_per_pod=1)
+    deadline = time.monotonic() + 30
+    while job.poll() == "pending" and "Insufficient nvidia.com/gpu" not in job.log_path.read_text():
+        assert time.monotonic() < deadline, job.log_path.read_text()
+        time.sleep(0.2)
+    assert job.poll() == "pending" and "0/1 nodes are available: Insufficient nvidia.com/gpu." in job.log_path.read_text()
+    job.cancel(wait_s=10)
+    assert job.pods() == [] and not _processes_of(spec.job_id)
