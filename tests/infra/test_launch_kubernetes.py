@@ -298,3 +298,22 @@ def test_submit_without_a_cluster_or_with_local_output_is_a_clear_error(tmp_path
         launcher.submit(_spec())
     with pytest.raises(ValueError, match="not reachable from pods; set infra.store to an s3:// bucket"):
         launcher.submit(_spec(output="file:///tmp/out"))
+
+
+def test_plain_indexed_job_renders_with_a_headless_service_naming_its_pods():
+    spec = _spec(nnodes=4, nproc=2)
+    cfg = KubernetesConfig(kind="job", image=IMAGE, termination_grace_s=60)
+    config_map, service, job = render(spec, cfg)  # validated against the client's V1Service and V1Job models
+    name = object_name(spec.job_id)
+    assert (config_map["kind"], service["kind"], job["kind"]) == ("ConfigMap", "Service", "Job")
+    assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 4, "parallelism": 4,
+                                                "backoffLimit": 0, "ttlSecondsAfterFinished": 86400, "template": None}  # fmt: skip
+    pod = job["spec"]["template"]["spec"]
+    # Pod i is <job>-i (the Job controller's hostname) in the service's subdomain; pod 0 hosts the rendezvous.
+    assert pod["subdomain"] == service["metadata"]["name"] == name and pod["terminationGracePeriodSeconds"] == 60
+    assert _torchrun_args(pod["containers"][0]).rdzv_endpoint == f"{name}-0.{name}:{cfg.rdzv_port}"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["spec"]["restartPolicy"] = "Always"
+    assert any("restartPolicy" in p for p in manifest_problems(bad))
