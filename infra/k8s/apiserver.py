@@ -1,8 +1,10 @@
 """The stand-in API server's HTTP side: Kubernetes REST paths (/api/v1/..., /apis/GROUP/VERSION/...),
 discovery, Status errors, and the pod subresources our jobs use (status, binding, log).
 
-What it does not do, on purpose: watch streams (every client here polls), authentication (the
-kubeconfig's token is accepted as is), admission plugins, and JSON patch (merge patch only)."""
+Watches stream one JSON event per line (ADDED, MODIFIED, DELETED) as kube-apiserver's do, so
+kubectl's `wait` and `delete --wait` and client watches work. What it does not do, on purpose:
+authentication (the kubeconfig's token is accepted as is), admission plugins, the OpenAPI document
+(kubectl needs --validate=false), and JSON patch (merge patch only)."""
 
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._dispatch(method, res, ns, name, sub, query, body)
         except ApiError as err:
             self._send(err.code, err.status())
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):  # the client went away (a watch it stopped)
             pass
 
     def _dispatch(self, method, res, ns, name, sub, query, body) -> None:
@@ -128,7 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(404, "NotFound", f"{res.plural} has no subresource {sub!r}")
         if method == "GET" and name is None:
             if query.get("watch") in ("true", "1"):
-                raise ApiError(405, "MethodNotAllowed", "watch is not served by the stand-in API server; poll with list")
+                return self._watch(res, ns, query)
             return self._send(200, store.list(res, ns, query.get("labelSelector"), query.get("fieldSelector")))
         if method == "GET" and sub == "log":
             return self._pod_log(ns, name, query)
@@ -150,6 +152,26 @@ class _Handler(BaseHTTPRequestHandler):
             grace = body.get("gracePeriodSeconds", query.get("gracePeriodSeconds"))
             return self._send(200, store.delete(res, ns, name, propagation, None if grace is None else int(grace)))
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on this path")
+
+    def _watch(self, res: Resource, ns: str | None, query: dict) -> None:
+        started = False
+
+        def send(event: dict) -> None:
+            nonlocal started
+            if not started:  # headers only once the watch is accepted (a 410 is still a plain answer)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = started = True
+            if event:
+                self.wfile.write(json.dumps(event).encode() + b"\n")
+                self.wfile.flush()
+
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        self.server.store.watch(res, ns, query.get("labelSelector"), query.get("fieldSelector"),
+                                query.get("resourceVersion"), timeout, send)  # fmt: skip
+        send({})  # a watch that saw nothing still answers 200 with an empty stream
 
     def _bind(self, ns: str, name: str, body: dict) -> None:
         """POST pods/NAME/binding: what the scheduler does; a pod binds once."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -186,19 +187,32 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 class ObjectStore:
-    """All objects, under one lock; every write bumps the global resourceVersion."""
+    """All objects, under one lock; every write bumps the global resourceVersion and records a watch
+    event (ADDED, MODIFIED, DELETED), the last MAX_EVENTS of them kept for watches to resume from."""
+
+    MAX_EVENTS = 5000
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._objects: dict[tuple, dict] = {}
+        self._events: list[tuple[int, str, tuple, dict]] = []  # (resourceVersion, type, key, object)
         self._rv = 0
         for ns in ("default", "kube-system"):
             self.create(BY_KIND["Namespace"], None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
 
-    def _bump(self, obj: dict) -> dict:
+    def _bump(self, obj: dict, event: str = "MODIFIED", key: tuple | None = None) -> dict:
         self._rv += 1
         obj["metadata"]["resourceVersion"] = str(self._rv)
+        key = key or next(k for k, o in self._objects.items() if o is obj)
+        self._events.append((self._rv, event, key, copy.deepcopy(obj)))
+        del self._events[: -self.MAX_EVENTS]
+        self._changed.notify_all()
         return obj
+
+    def _remove(self, key: tuple) -> dict:
+        obj = self._objects.pop(key)
+        return self._bump(obj, "DELETED", key)
 
     @staticmethod
     def _key(res: Resource, namespace: str | None, name: str) -> tuple:
@@ -248,7 +262,7 @@ class ObjectStore:
             for drop in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
                 meta.pop(drop, None)
             _defaults(res, obj)
-            self._objects[key] = self._bump(obj)
+            self._objects[key] = self._bump(obj, "ADDED", key)
             return copy.deepcopy(obj)
 
     def update(self, res: Resource, namespace: str | None, name: str, body: dict, status: bool) -> dict:
@@ -284,9 +298,10 @@ class ObjectStore:
     def _store_or_finalize(self, res: Resource, namespace: str | None, name: str, obj: dict) -> dict:
         meta = obj["metadata"]
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            del self._objects[self._key(res, namespace, name)]  # the last finalizer is gone
+            self._remove(self._key(res, namespace, name))  # the last finalizer is gone
             return obj
-        self._objects[self._key(res, namespace, name)] = self._bump(obj)
+        key = self._key(res, namespace, name)
+        self._objects[key] = self._bump(obj, "MODIFIED", key)
         return copy.deepcopy(obj)
 
     def delete(self, res: Resource, namespace: str | None, name: str, propagation: str | None, grace: int | None) -> dict:
@@ -296,8 +311,7 @@ class ObjectStore:
             phase = (obj.get("status") or {}).get("phase")
             if res.kind == "Pod" and (obj.get("spec") or {}).get("nodeName") and phase not in ("Succeeded", "Failed"):
                 if grace == 0 and meta.get("deletionTimestamp"):  # the node has stopped it
-                    del self._objects[self._key(res, namespace, name)]
-                    return copy.deepcopy(obj)
+                    return copy.deepcopy(self._remove(self._key(res, namespace, name)))
                 if grace != 0:  # a graceful delete: the node stops the containers, then finishes the delete
                     if not meta.get("deletionTimestamp"):
                         meta["deletionTimestamp"] = now_iso()
@@ -319,8 +333,39 @@ class ObjectStore:
                 meta.setdefault("deletionTimestamp", now_iso())
                 self._bump(obj)
                 return copy.deepcopy(obj)
-            del self._objects[self._key(res, namespace, name)]
-            return copy.deepcopy(obj)
+            return copy.deepcopy(self._remove(self._key(res, namespace, name)))
+
+    def watch(self, res: Resource, namespace: str | None, labels: str | None, fields: str | None,
+              since: str | None, timeout_s: float, send: Callable[[dict], None]) -> None:  # fmt: skip
+        """Stream watch events to `send` until `timeout_s`: with no resourceVersion (or "0"), first an ADDED
+        for every object that matches now; then each change after it. 410 Gone when `since` is older
+        than the events kept, as the API answers a watch that must list again."""
+        match_labels, match_fields = parse_label_selector(labels), parse_field_selector(fields)
+        deadline = time.monotonic() + timeout_s
+
+        def wanted(key: tuple, obj: dict) -> bool:
+            return key[:2] == (res.group, res.plural) and namespace in (None, key[2]) and match_labels(obj) and match_fields(obj)
+
+        with self._lock:
+            if since in (None, "", "0"):
+                pending = [{"type": "ADDED", "object": copy.deepcopy(o)} for k, o in sorted(self._objects.items()) if wanted(k, o)]
+                last = self._rv
+            else:
+                last = int(since)
+                if self._events and last < self._events[0][0] - 1:
+                    raise ApiError(410, "Expired", f"too old resource version: {last} ({self._events[0][0] - 1})")
+                pending = []
+        while True:
+            for event in pending:
+                send(event)
+            with self._lock:
+                while not (fresh := [e for e in self._events if e[0] > last]):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._changed.wait(min(left, 1.0))
+                last = fresh[-1][0]
+                pending = [{"type": t, "object": copy.deepcopy(o)} for _, t, k, o in fresh if wanted(k, o)]
 
     def _orphan_dependents(self, uid: str) -> None:
         for obj in self._objects.values():

