@@ -185,8 +185,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _pod_log(self, ns: str, name: str, query: dict) -> None:
         pod = self.server.store.get(BY_PATH[("", "v1", "pods")], ns, name)
-        containers = [c["name"] for c in pod["spec"].get("containers") or []]
-        container = query.get("container") or (containers[0] if len(containers) == 1 else None)
+        main = [c["name"] for c in pod["spec"].get("containers") or []]
+        containers = main + [c["name"] for c in pod["spec"].get("initContainers") or []]
+        container = query.get("container") or (main[0] if len(main) == 1 else None)
         if container not in containers:
             raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: {containers}")
         path = pod_log_file(self.server.log_root, ns, name, pod["metadata"]["uid"], container)

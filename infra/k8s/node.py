@@ -11,6 +11,7 @@ its PID 1 ends, the kernel kills every process of the namespace, whatever sessio
 - exactly its env: env (value, fieldRef, secretKeyRef, configMapKeyRef), envFrom, $(VAR) expansion in
   command and args, over the "image's" env (this machine's Python first on PATH, the project on
   PYTHONPATH: the image is this checkout);
+- its init containers first, in order (each in namespaces of its own, sharing the pod's volumes);
 - SIGTERM to its PID 1 on deletion, SIGKILL to the namespace after the grace period.
 Its phase, container states, exit codes and restarts go back through pods/NAME/status; its output
 goes to the log file the API server's pods/NAME/log reads. Needs root (mount namespaces)."""
@@ -77,15 +78,36 @@ def _quantity_bytes(value: str) -> int:
 
 
 @dataclass
-class Container:
-    pod_dir: Path
+class Step:
+    """One container of a pod: its script, its log, how it ended."""
+
+    name: str
+    image: str
     script: str
     log_file: Path
-    started_at: str
-    proc: subprocess.Popen | None = None
+    started_at: str = ""
     restarts: int = 0
-    term_sent_at: float | None = None
     last_state: dict = field(default_factory=dict)
+    terminated: dict | None = None
+
+
+@dataclass
+class Container:
+    """A pod's run on this node: its init containers, in order, then its one container."""
+
+    pod_dir: Path
+    steps: list[Step]
+    current: int = 0
+    proc: subprocess.Popen | None = None
+    term_sent_at: float | None = None
+
+    @property
+    def step(self) -> Step:
+        return self.steps[self.current]
+
+    @property
+    def in_init(self) -> bool:
+        return self.current < len(self.steps) - 1
 
 
 class NodeAgent:
@@ -266,25 +288,29 @@ class NodeAgent:
 
     def _start(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod["spec"]
-        if len(spec.get("containers") or []) != 1 or spec.get("initContainers"):
-            return self._fail_config(pod, "this node runs pods of exactly one container and no init containers")
-        container = spec["containers"][0]
+        if len(spec.get("containers") or []) != 1:
+            return self._fail_config(pod, "this node runs pods of exactly one container (and any init containers)")
         pod_dir = self.root / "pods" / meta["uid"]
+        steps = []
         try:
-            env = self._env(pod, container)
-            script = self._script(pod, container, env, self._volumes(pod, pod_dir))
+            volumes = self._volumes(pod, pod_dir)
+            for container in [*(spec.get("initContainers") or []), spec["containers"][0]]:
+                script = self._script(pod, container, self._env(pod, container), volumes)
+                log_file = pod_log_file(self.log_root, meta["namespace"], meta["name"], meta["uid"], container["name"])
+                steps.append(Step(container["name"], container.get("image", ""), script, log_file))
         except PodConfigError as err:
             return self._fail_config(pod, str(err))
-        log_file = pod_log_file(self.log_root, meta["namespace"], meta["name"], meta["uid"], container["name"])
-        c = Container(pod_dir=pod_dir, script=script, log_file=log_file, started_at=now_iso())
+        c = Container(pod_dir=pod_dir, steps=steps)
         self._launch(c)
         self.containers[meta["uid"]] = c
-        self._report(pod, c, {"running": {"startedAt": c.started_at}}, "Running")
+        self._report(pod, c)
 
     def _launch(self, c: Container) -> None:
-        c.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(c.log_file, "ab") as out:
-            c.proc = subprocess.Popen([*UNSHARE, "/bin/sh", "-c", c.script],
+        step = c.step
+        step.started_at = now_iso()
+        step.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(step.log_file, "ab") as out:
+            c.proc = subprocess.Popen([*UNSHARE, "/bin/sh", "-c", step.script],
                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True, cwd="/")  # fmt: skip
 
@@ -296,18 +322,30 @@ class NodeAgent:
         if (pod.get("status") or {}).get("containerStatuses") != status["containerStatuses"]:
             self.api.patch("v1", "pods", pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status}, status=True)
 
-    def _report(self, pod: dict, c: Container, state: dict, phase: str) -> None:
-        container = pod["spec"]["containers"][0]
-        running = phase == "Running"
+    @staticmethod
+    def _state(c: Container, i: int) -> dict:
+        step = c.steps[i]
+        if step.terminated is not None:
+            return {"terminated": step.terminated}
+        if i == c.current:
+            return {"running": {"startedAt": step.started_at}}
+        return {"waiting": {"reason": "PodInitializing"}}
+
+    def _report(self, pod: dict, c: Container, phase: str | None = None) -> None:
+        """Pending while init containers run, then Running, or the phase given (Succeeded, Failed)."""
+        phase = phase or ("Pending" if c.in_init else "Running")
+        running, initialized = phase == "Running", not c.in_init
         cond = lambda kind, ok: {"type": kind, "status": "True" if ok else "False", "lastTransitionTime": now_iso()}  # noqa: E731
+        statuses = [{"name": step.name, "image": step.image, "imageID": "", "restartCount": step.restarts,
+                     "ready": running and i == len(c.steps) - 1, "started": i == c.current and step.terminated is None,
+                     "state": self._state(c, i), "lastState": step.last_state} for i, step in enumerate(c.steps)]  # fmt: skip
         status = {
             "phase": phase, "hostIP": "127.0.0.1", "podIP": self._ip(pod), "podIPs": [{"ip": self._ip(pod)}],
-            "startTime": (pod.get("status") or {}).get("startTime") or c.started_at,
-            "conditions": [cond("PodScheduled", True), cond("Initialized", True), cond("ContainersReady", running),
-                           cond("Ready", running)],
-            "containerStatuses": [{"name": container["name"], "image": container.get("image", ""), "imageID": "",
-                                   "ready": running, "started": running, "restartCount": c.restarts,
-                                   "state": state, "lastState": c.last_state}],
+            "startTime": (pod.get("status") or {}).get("startTime") or c.steps[0].started_at,
+            "conditions": [cond("PodScheduled", True), cond("Initialized", initialized),
+                           cond("ContainersReady", running), cond("Ready", running)],
+            "containerStatuses": statuses[-1:],
+            "initContainerStatuses": statuses[:-1],
         }  # fmt: skip
         try:
             self.api.patch("v1", "pods", pod["metadata"]["namespace"], pod["metadata"]["name"], {"status": status}, status=True)
@@ -321,21 +359,28 @@ class NodeAgent:
         return 128 - code if code < 0 else code  # killed by signal N: 128+N, as container runtimes report
 
     def _check(self, pod: dict) -> None:
+        """A container that ended: the next init container or the main one, a restart by the pod's
+        restartPolicy (init containers restart unless it is Never), or the pod's last phase."""
         c = self.containers[pod["metadata"]["uid"]]
         if c.proc is None or c.proc.poll() is None:
             return
-        code = self._exit_code(c.proc)
+        code, step = self._exit_code(c.proc), c.step
         terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": c.started_at, "finishedAt": now_iso()}  # fmt: skip
+                      "startedAt": step.started_at, "finishedAt": now_iso()}  # fmt: skip
         policy = pod["spec"].get("restartPolicy", "Always")
-        if policy == "Always" or (policy == "OnFailure" and code != 0):
-            c.restarts += 1
-            c.last_state = {"terminated": terminated}
-            c.started_at = now_iso()
+        if c.in_init and code == 0:
+            step.terminated = terminated
+            c.current += 1
             self._launch(c)
-            return self._report(pod, c, {"running": {"startedAt": c.started_at}}, "Running")
+            return self._report(pod, c)
+        if (policy == "Always" and not c.in_init) or (policy != "Never" and code != 0):
+            step.restarts += 1
+            step.last_state = {"terminated": terminated}
+            self._launch(c)
+            return self._report(pod, c)
+        step.terminated = terminated
         del self.containers[pod["metadata"]["uid"]]
-        self._report(pod, c, {"terminated": terminated}, "Succeeded" if code == 0 else "Failed")
+        self._report(pod, c, "Succeeded" if code == 0 and not c.in_init else "Failed")
 
     def _terminate(self, pod: dict) -> None:
         """A deleted pod: SIGTERM, SIGKILL after the grace period, then finish the delete (grace 0)."""

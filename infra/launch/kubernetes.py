@@ -565,6 +565,10 @@ class KubernetesJob:
         for cond in pod.status.conditions or []:
             if cond.type == "PodScheduled" and cond.status == "False":
                 return f"{phase} ({cond.reason}: {cond.message})"
+        for cs in pod.status.init_container_statuses or []:  # a failed pre-flight (init container) says so
+            terminated = cs.state.terminated if cs.state else None
+            if terminated is not None and terminated.exit_code:
+                return f"{phase} (init container {cs.name}: exit code {terminated.exit_code})"
         for cs in pod.status.container_statuses or []:
             waiting = cs.state.waiting if cs.state else None
             if waiting and waiting.reason:

@@ -169,3 +169,25 @@ def test_kubectl_drives_the_stand_in_like_a_cluster(k8s_cluster, tmp_path):
     assert "by-kubectl" in kubectl("get", "pods", "-l", "job-name=by-kubectl", "-o", "name")
     kubectl("delete", "job", "by-kubectl", "--cascade=foreground", "--timeout=30s")
     assert kubectl("get", "jobs,pods", "-l", "job-name=by-kubectl", "-o", "name").strip() == ""
+
+
+def test_init_containers_run_first_in_order_and_a_failing_one_fails_the_pod(api):
+    core = client.CoreV1Api(api)
+    ok = _pod("init-ok", ["sh", "-c", "cat /work/first"], volumes=[{"name": "w", "emptyDir": {}}])
+    ok["spec"]["containers"][0]["volumeMounts"] = [{"name": "w", "mountPath": "/work"}]
+    ok["spec"]["initContainers"] = [{"name": "first", "image": "any", "command": ["sh", "-c", "echo from-init > /work/first"],
+                                     "volumeMounts": [{"name": "w", "mountPath": "/work"}]}]  # fmt: skip
+    bad = _pod("init-bad", ["echo", "never"])
+    bad["spec"]["initContainers"] = [{"name": "preflight", "image": "any", "command": ["sh", "-c", "echo sick; exit 7"]}]
+    core.create_namespaced_pod("default", ok)
+    core.create_namespaced_pod("default", bad)
+    done = lambda name: core.read_namespaced_pod(name, "default").status.phase in ("Succeeded", "Failed")  # noqa: E731
+    _until(lambda: done("init-ok") and done("init-bad"), what="both pods")
+    assert core.read_namespaced_pod("init-ok", "default").status.phase == "Succeeded"
+    assert core.read_namespaced_pod_log("init-ok", "default") == "from-init\n"  # the init container's file
+    failed = core.read_namespaced_pod("init-bad", "default").status
+    assert failed.phase == "Failed" and failed.init_container_statuses[0].state.terminated.exit_code == 7
+    assert failed.container_statuses[0].state.waiting.reason == "PodInitializing"  # the main one never ran
+    assert core.read_namespaced_pod_log("init-bad", "default", container="preflight") == "sick\n"
+    for name in ("init-ok", "init-bad"):
+        core.delete_namespaced_pod(name, "default")

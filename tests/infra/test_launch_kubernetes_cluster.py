@@ -115,6 +115,7 @@ def test_cancel_deletes_the_job_and_kills_every_rank(k8s_cluster, core, s3_endpo
     started = time.monotonic()
     job.cancel()  # what the stage does on Ctrl-C or a cancelled flow run
     took = time.monotonic() - started
+    print(f"cancel took {took:.1f} s")
     assert job.poll() == "cancelled"
     assert job.pods() == [] and not _processes_of(spec.job_id)
     assert took < 15, took  # torchrun stops its ranks on SIGTERM; the node SIGKILLs whatever is left
