@@ -100,6 +100,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _start_stream(self, content_type: str) -> None:
+        """A streamed answer (a watch, a followed log), chunked as kube-apiserver sends it: clients
+        read each chunk as it comes instead of waiting for a buffer to fill."""
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _chunk(self, data: bytes) -> None:
+        """One chunk; empty data ends the stream."""
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
     def _body(self) -> dict:
         length = int(self.headers.get("Content-Length") or 0)
         if not length:
@@ -159,19 +172,16 @@ class _Handler(BaseHTTPRequestHandler):
         def send(event: dict) -> None:
             nonlocal started
             if not started:  # headers only once the watch is accepted (a 410 is still a plain answer)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = started = True
+                self._start_stream("application/json")
+                started = True
             if event:
-                self.wfile.write(json.dumps(event).encode() + b"\n")
-                self.wfile.flush()
+                self._chunk(json.dumps(event).encode() + b"\n")
 
         timeout = float(query.get("timeoutSeconds") or 1800)
         self.server.store.watch(res, ns, query.get("labelSelector"), query.get("fieldSelector"),
                                 query.get("resourceVersion"), timeout, send)  # fmt: skip
-        send({})  # a watch that saw nothing still answers 200 with an empty stream
+        send({})  # a watch that saw nothing still answers 200, with an empty stream
+        self._chunk(b"")
 
     def _bind(self, ns: str, name: str, body: dict) -> None:
         """POST pods/NAME/binding: what the scheduler does; a pod binds once."""
@@ -198,26 +208,22 @@ class _Handler(BaseHTTPRequestHandler):
             if query.get("tailLines"):
                 text = "".join(text.splitlines(keepends=True)[-int(query["tailLines"]):])
             return self._send(200, text, "text/plain")
-        # follow: stream until the container ends; the body ends when the connection closes.
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
+        # follow: stream until the container ends (its pod finished or went away).
+        self._start_stream("text/plain")
         with open(path, "rb") as f:
             while True:
                 chunk = f.read(65536)
                 if chunk:
-                    self.wfile.write(chunk)
-                    self.wfile.flush()
+                    self._chunk(chunk)
                     continue
                 try:
                     phase = self.server.store.get(BY_PATH[("", "v1", "pods")], ns, name)["status"].get("phase")
                 except ApiError:
                     phase = "Gone"
                 if phase in ("Succeeded", "Failed", "Gone"):
-                    self.wfile.write(f.read())
-                    return
+                    if rest := f.read():
+                        self._chunk(rest)
+                    return self._chunk(b"")
                 time.sleep(0.2)
 
     def do_GET(self) -> None:  # noqa: N802

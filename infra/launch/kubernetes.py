@@ -497,8 +497,10 @@ class KubernetesJob:
         self._cancelled = False
         self.exit_code: int | None = None
         self._phases: dict[str, str] = {}
-        self._log_offset: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._log_offset: dict[str, int] = {}  # bytes of a pod's log already in log_path
+        self._lock = threading.RLock()
+        self._streamer: threading.Thread | None = None
+        self._streamed_pod, self._stream_done = "", False
 
     def _get(self) -> dict:
         from kubernetes import client
@@ -552,9 +554,10 @@ class KubernetesJob:
         return sorted(pods, key=lambda p: p.metadata.name)
 
     def _append(self, text: str) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as f:
-            f.write(text)
+        with self._lock:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(text)
 
     @staticmethod
     def _phase(pod) -> str:
@@ -590,24 +593,59 @@ class KubernetesJob:
                 if self._phases.get(pod.metadata.name) != phase:
                     self._phases[pod.metadata.name] = phase
                     self._append(f"[kubernetes] pod {pod.metadata.name}: {phase}\n")
-            for i, pod in enumerate(pods):
-                if i and not final:
-                    continue  # while running, only the first pod's output streams into the job's log
-                try:
-                    text = core.read_namespaced_pod_log(pod.metadata.name, self.config.namespace)
-                except ApiException as exc:
-                    if exc.status in (400, 404):  # not started yet, or already gone
-                        continue
-                    raise
-                if i == 0:
-                    seen = self._log_offset.get(pod.metadata.name, 0)
-                    if len(text) > seen:
-                        self._append(text[seen:])
-                        self._log_offset[pod.metadata.name] = len(text)
-                if final:
-                    keep = self.log_path.with_suffix("") / f"{pod.metadata.name}.log"
-                    keep.parent.mkdir(parents=True, exist_ok=True)
-                    keep.write_text(text)
+            if pods and pods[0].status.phase in ("Running", "Succeeded", "Failed"):
+                self._stream_first_pod(pods[0].metadata.name)
+        if not final:
+            return
+        if self._streamer is not None:
+            self._streamer.join(timeout=10)  # the stream ends with the container: take its last lines
+        for pod in pods:  # every pod's whole log, kept beside the job's
+            try:
+                text = core.read_namespaced_pod_log(pod.metadata.name, self.config.namespace)
+            except ApiException as exc:
+                if exc.status in (400, 404):  # never started, or already gone
+                    continue
+                raise
+            keep = self.log_path.with_suffix("") / f"{pod.metadata.name}.log"
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            keep.write_text(text)
+
+    def _stream_first_pod(self, pod: str) -> None:
+        """Follow the first pod's log (one `follow=true` stream, not a re-read per poll) into the job's
+        log, in a thread; started again, past what was written, if the stream broke while the pod runs."""
+        if self._streamer is not None and self._streamer.is_alive():
+            return
+        if self._streamer is not None and self._streamed_pod == pod and self._stream_done:
+            return  # this pod's container ended and its stream was read to the end
+        self._streamed_pod, self._stream_done = pod, False
+        self._streamer = threading.Thread(target=self._stream, args=(pod,), name=f"logs-{pod}", daemon=True)
+        self._streamer.start()
+
+    def _stream(self, pod: str) -> None:
+        from kubernetes import client
+
+        skip, pending = self._log_offset.get(pod, 0), b""
+        try:
+            resp = client.CoreV1Api(self.api).read_namespaced_pod_log(
+                pod, self.config.namespace, follow=True, _preload_content=False
+            )
+            for chunk in resp.stream(65536):
+                if skip:  # a resumed stream starts from the beginning again
+                    chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+                pending += chunk
+                lines, _, pending = pending.rpartition(b"\n")
+                if lines:  # whole lines only, so the [kubernetes] lines never split one
+                    self._append_bytes(pod, lines + b"\n")
+            if pending:
+                self._append_bytes(pod, pending)
+            self._stream_done = True
+        except Exception as exc:  # the next poll starts a new stream past what was written
+            self._append(f"[kubernetes] log stream of {pod} broke: {exc}\n")
+
+    def _append_bytes(self, pod: str, data: bytes) -> None:
+        with self._lock:
+            self._append(data.decode(errors="replace"))
+            self._log_offset[pod] = self._log_offset.get(pod, 0) + len(data)
 
     def cancel(self, wait_s: float | None = None) -> None:
         """Delete the job object with foreground propagation (its Jobs and pods go first), its ConfigMap

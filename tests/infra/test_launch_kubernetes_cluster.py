@@ -106,7 +106,8 @@ def test_cancel_deletes_the_job_and_kills_every_rank(k8s_cluster, core, s3_endpo
     launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "job", "sleep")
     name = object_name(spec.job_id)
     deadline = time.monotonic() + 90
-    while len(_processes_of(spec.job_id)) < 4:  # two torchrun agents and their two ranks
+    # Two torchrun agents and their two ranks, and the first pod's output followed while it runs.
+    while len(_processes_of(spec.job_id)) < 4 or "mode sleep" not in job.log_path.read_text():
         assert job.poll() in ("pending", "running") and time.monotonic() < deadline, job.log_path.read_text()
         time.sleep(0.3)
     assert job.poll() == "running"
