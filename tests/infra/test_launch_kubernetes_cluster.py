@@ -42,7 +42,8 @@ def core(k8s_cluster, s3_endpoint):
     return api
 
 
-def _launch(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, mode: str, **k8s):
+def _job(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, mode: str, **k8s):
+    """The config (`infra.launcher: kubernetes`, an s3:// store) and job file of a 2-pod job."""
     cfg = LifecycleConfig.model_validate({
         "parallel": {"nnodes": 2, "nproc_per_node": 1, "dp": 2},
         "infra": {"launcher": "kubernetes", "store": f"s3://{bucket}/exp", "s3_endpoint_url": s3_endpoint,
@@ -59,6 +60,11 @@ def _launch(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, m
         # The "image" is this checkout: the worker module lives in tests/fixtures.
         env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "EIGHTFOLD_TEST_MODE": mode},
     )  # fmt: skip
+    return cfg, spec
+
+
+def _launch(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, mode: str, **k8s):
+    cfg, spec = _job(tmp_path, cluster, s3_endpoint, bucket, kind, mode, **k8s)
     launcher = get_launcher(cfg, module=WORKER)
     assert launcher.name == "kubernetes"
     return launcher, spec, launcher.submit(spec, spec.write(Path(spec.workdir) / "job.yaml"))
@@ -101,35 +107,6 @@ def test_jobset_runs_two_pods_that_rendezvous_and_write_result_to_s3(k8s_cluster
     assert not _processes_of(spec.job_id)
 
 
-def test_cancel_deletes_the_job_and_kills_every_rank(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
-    # A plain Indexed Job + headless Service; rank 1 ignores SIGTERM.
-    launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "job", "sleep")
-    name = object_name(spec.job_id)
-    deadline = time.monotonic() + 90
-    # Two torchrun agents and their two ranks, and the first pod's output followed while it runs.
-    while len(_processes_of(spec.job_id)) < 4 or "mode sleep" not in job.log_path.read_text():
-        assert job.poll() in ("pending", "running") and time.monotonic() < deadline, job.log_path.read_text()
-        time.sleep(0.3)
-    assert job.poll() == "running"
-    assert core.read_namespaced_service(name, "default").spec.cluster_ip == "None"
-
-    started = time.monotonic()
-    job.cancel()  # what the stage does on Ctrl-C or a cancelled flow run
-    took = time.monotonic() - started
-    print(f"cancel took {took:.1f} s")
-    assert job.poll() == "cancelled"
-    assert job.pods() == [] and not _processes_of(spec.job_id)
-    assert took < 15, took  # torchrun stops its ranks on SIGTERM; the node SIGKILLs whatever is left
-    for read in (lambda: client.BatchV1Api(core.api_client).read_namespaced_job(name, "default"),
-                 lambda: core.read_namespaced_config_map(f"{name}-job", "default"),
-                 lambda: core.read_namespaced_service(name, "default")):  # fmt: skip
-        with pytest.raises(client.exceptions.ApiException) as err:
-            read()
-        assert err.value.status == 404
-    assert "no pod left" in job.log_path.read_text()
-    assert launcher.result(spec) is None
-
-
 def test_a_failing_rank_fails_the_job_and_names_its_exit_code(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
     launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "fail")
     assert job.wait(timeout=120) == 1
@@ -148,3 +125,49 @@ def test_pods_that_fit_no_node_stay_pending_and_say_why(k8s_cluster, core, s3_en
     assert job.poll() == "pending" and "0/1 nodes are available: Insufficient nvidia.com/gpu." in job.log_path.read_text()
     job.cancel(wait_s=10)
     assert job.pods() == [] and not _processes_of(spec.job_id)
+
+
+def test_ctrl_c_in_the_stage_cancels_the_job_and_kills_every_rank(k8s_cluster, core, s3_endpoint, s3_store, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """The pretrain stage's own launch-and-wait, interrupted as by Ctrl-C once both pods run (a plain
+    Indexed Job + headless Service; rank 1 ignores SIGTERM): the Job, its pods, Service and ConfigMap
+    and every rank's process are gone before the interrupt reaches the caller."""
+    import _thread
+    import threading
+    from types import SimpleNamespace
+
+    import stages.pretrain as pretrain
+
+    cfg, spec = _job(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "job", "sleep")
+    spec = spec.model_copy(update={"resume": "none"})  # a fresh job: no earlier attempts to learn from
+    monkeypatch.setattr(pretrain, "get_launcher", lambda c: get_launcher(c, module=WORKER))
+    name = object_name(spec.job_id)
+    log = Path(spec.workdir) / "logs" / f"{spec.job_id}.log"
+    interrupted = []
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 90
+        # Two torchrun agents and their two ranks, and the first pod's output followed while it runs.
+        while len(_processes_of(spec.job_id)) < 4 or not log.exists() or "mode sleep" not in log.read_text():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert core.read_namespaced_service(name, "default").spec.cluster_ip == "None"
+        interrupted.append(time.monotonic())
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.launch_and_wait(SimpleNamespace(cfg=cfg), spec)
+    took = time.monotonic() - interrupted[0]
+    print(f"cancel took {took:.1f} s")
+    assert took < 15, took  # torchrun stops its ranks on SIGTERM; the node SIGKILLs whatever is left
+    assert "mode sleep" in log.read_text() and "no pod left" in log.read_text()
+    assert core.list_namespaced_pod("default", label_selector=f"batch.kubernetes.io/job-name={name}").items == []
+    assert not _processes_of(spec.job_id)
+    for read in (lambda: client.BatchV1Api(core.api_client).read_namespaced_job(name, "default"),
+                 lambda: core.read_namespaced_config_map(f"{name}-job", "default"),
+                 lambda: core.read_namespaced_service(name, "default")):  # fmt: skip
+        with pytest.raises(client.exceptions.ApiException) as err:
+            read()
+        assert err.value.status == 404
