@@ -18,7 +18,7 @@ import threading
 from datetime import datetime, timezone
 
 from infra.k8s.objects import now_iso
-from infra.k8s.rest import Rest, RestError
+from infra.k8s.rest import Rest, RestError, object_path
 
 log = logging.getLogger(__name__)
 JOBSET = "jobset.x-k8s.io/v1alpha2"
@@ -274,13 +274,40 @@ _OWNED_KINDS = [("v1", "pods"), ("v1", "services"), ("v1", "configmaps"), ("batc
                 (JOBSET, "jobsets"), ("kubeflow.org/v1", "pytorchjobs")]  # fmt: skip
 
 
+_PLURAL = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Job": "jobs", "JobSet": "jobsets",
+           "PyTorchJob": "pytorchjobs"}  # fmt: skip
+
+
+def _orphaned(api: Rest, version: str, plural: str, obj: dict) -> bool:
+    """True when none of the object's owners exists, checked live (the lists are a moment old: an owner
+    deleted with Orphan has already let go of this object), as the real collector re-reads before deleting."""
+    meta = obj["metadata"]
+    try:
+        refs = api.call("GET", object_path(version, plural, meta.get("namespace"), meta["name"]))["metadata"].get(
+            "ownerReferences") or []  # fmt: skip
+    except RestError as err:
+        if err.code == 404:
+            return False  # gone already
+        raise
+    for ref in refs:
+        try:
+            owner = api.call("GET", object_path(ref["apiVersion"], _PLURAL.get(ref["kind"], ""), meta.get("namespace"), ref["name"]))
+        except RestError as err:
+            if err.code == 404:
+                continue
+            raise
+        if owner["metadata"]["uid"] == ref.get("uid"):
+            return False
+    return bool(refs)
+
+
 def collect_garbage(api: Rest) -> None:
     objects = [(v, p, o) for v, p in _OWNED_KINDS for o in api.list(v, p)]
     alive = {o["metadata"]["uid"] for _, _, o in objects}
     for version, plural, obj in objects:
         meta = obj["metadata"]
         refs = meta.get("ownerReferences") or []
-        if refs and not any(r.get("uid") in alive for r in refs):
+        if refs and not any(r.get("uid") in alive for r in refs) and _orphaned(api, version, plural, obj):
             api.delete(version, plural, meta.get("namespace"), meta["name"], "Background")
             continue
         if meta.get("deletionTimestamp") and "foregroundDeletion" in (meta.get("finalizers") or []):

@@ -11,6 +11,8 @@ its PID 1 ends, the kernel kills every process of the namespace, whatever sessio
 - exactly its env: env (value, fieldRef, secretKeyRef, configMapKeyRef), envFrom, $(VAR) expansion in
   command and args, over the "image's" env (this machine's Python first on PATH, the project on
   PYTHONPATH: the image is this checkout);
+- /tmp, /var/tmp, /home and /root empty (its own tmpfs), unless they hold the project or its Python:
+  a pod cannot see the test's or the orchestrator's local files, only the object store, as on a cluster;
 - its init containers first, in order (each in namespaces of its own, sharing the pod's volumes);
 - SIGTERM to its PID 1 on deletion, SIGKILL to the namespace after the grace period.
 Its phase, container states, exit codes and restarts go back through pods/NAME/status; its output
@@ -63,6 +65,15 @@ def default_image_env() -> dict[str, str]:
     """The env the "image" sets: this Python's bin folder first on PATH, the project importable."""
     return {"PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/root", "LANG": "C.UTF-8", "PYTHONPATH": str(PROJECT_ROOT)}  # fmt: skip
+
+
+def private_dirs() -> list[Path]:
+    """Folders each pod gets empty (a tmpfs of its own), as a container's image would not have this
+    machine's: where tests, workspaces and local stores live. Those that hold the project or its
+    Python (the "image") stay visible."""
+    image = [PROJECT_ROOT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve()]
+    return [d for d in map(Path, ("/tmp", "/var/tmp", "/home", "/root"))
+            if d.is_dir() and not any(p == d or d in p.parents for p in image)]  # fmt: skip
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
@@ -276,6 +287,10 @@ class NodeAgent:
                 lines.append(f"mount --bind {q(str(src))} {q(m['mountPath'])}")
             if m.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {q(m['mountPath'])}")
+        mount_paths = [Path(m["mountPath"]) for m in container.get("volumeMounts") or []]
+        for private in private_dirs():
+            if not any(p == private or private in p.parents for p in mount_paths):
+                lines.append(f"mount -t tmpfs tmpfs {q(str(private))}")
         workdir = container.get("workingDir") or "/"
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:

@@ -54,23 +54,25 @@ def test_api_errors_are_kubernetes_statuses(api, k8s_cluster):
     core.delete_namespaced_config_map("dup", "default")
 
 
-def test_secret_string_data_env_and_volumes_reach_the_process(api):
+def test_secret_string_data_env_and_volumes_reach_the_process(api, tmp_path):
     core = client.CoreV1Api(api)
     core.create_namespaced_secret("default", {"metadata": {"name": "tok"}, "stringData": {"TOKEN": "s3cret"}})
     assert base64.b64decode(core.read_namespaced_secret("tok", "default").data["TOKEN"]) == b"s3cret"
     core.create_namespaced_config_map("default", {"metadata": {"name": "files"}, "data": {"a.txt": "from-cm"}})
     # $(ME) is Kubernetes' own expansion in command and args, done before the shell sees it.
     pod = _pod("env-and-volumes", ["sh", "-c", "echo $TOKEN $(ME) $POD_NAME $HOSTNAME; cat /etc/standin-test/a.txt; echo; "
-                                  "touch /etc/standin-test/x 2>/dev/null || echo read-only"],  # fmt: skip
+                                  "touch /etc/standin-test/x 2>/dev/null || echo read-only; "
+                                  f"cat {tmp_path}/marker 2>/dev/null || echo no-host-tmp"],  # fmt: skip
                volumes=[{"name": "cm", "configMap": {"name": "files"}}])
     c = pod["spec"]["containers"][0]
     c["envFrom"] = [{"secretRef": {"name": "tok"}}]
     c["env"] = [{"name": "ME", "value": "me"}, {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     c["volumeMounts"] = [{"name": "cm", "mountPath": "/etc/standin-test", "readOnly": True}]
+    (tmp_path / "marker").write_text("the test's own file\n")  # a pod sees its own /tmp, not this machine's
     core.create_namespaced_pod("default", pod)
     _until(lambda: core.read_namespaced_pod("env-and-volumes", "default").status.phase == "Succeeded", what="the pod")
-    assert core.read_namespaced_pod_log("env-and-volumes", "default").split("\n")[:3] == [
-        "s3cret me env-and-volumes env-and-volumes", "from-cm", "read-only"]
+    assert core.read_namespaced_pod_log("env-and-volumes", "default").split("\n")[:4] == [
+        "s3cret me env-and-volumes env-and-volumes", "from-cm", "read-only", "no-host-tmp"]
     core.delete_namespaced_pod("env-and-volumes", "default")
 
 
