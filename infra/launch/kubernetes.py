@@ -755,7 +755,9 @@ class KubernetesLauncher:
             ) from None
         self._adopt(core, [config_map, *extras], created)
         log_path = Path(spec.workdir).expanduser().resolve() / "logs" / f"{spec.job_id}.log"
-        return KubernetesJob(spec.job_id, job["metadata"]["name"], self.config, api, log_path)
+        handle = KubernetesJob(spec.job_id, job["metadata"]["name"], self.config, api, log_path)
+        handle._append(f"[kubernetes] created {kind} {ns}/{job['metadata']['name']} at {api.configuration.host}\n")
+        return handle
 
     def _adopt(self, core, docs: list[dict], owner: dict) -> None:
         """Make the job own its ConfigMap and Service, so the garbage collector removes them with it

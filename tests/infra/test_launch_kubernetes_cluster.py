@@ -1,12 +1,13 @@
 """The Kubernetes launcher end to end against the stand-in cluster (infra/k8s/README.md: no real
-kube-apiserver installs on this machine): `infra.launcher: kubernetes` with an s3:// output; the
-launcher creates the ConfigMap and the JobSet (or a plain Indexed Job), the controllers make the pods,
-the node runs each pod's torchrun in its own namespaces, the ranks rendezvous across the two pods by
-their DNS names and write result.json to the local S3 endpoint, which the launcher reads back."""
+kube-apiserver installs on this machine), with `infra.launcher: kubernetes` and an s3:// store: the
+pretrain stage runs the real trainer on two pods (JobSet) that rendezvous by their DNS names and
+keep everything in S3; Ctrl-C in the stage's wait cancels a plain Indexed Job with nothing left
+behind; a failing rank fails the job; pods no node can take stay Pending and say why."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -16,8 +17,8 @@ from kubernetes import client, config as kube_config
 
 from infra.config import LifecycleConfig
 from infra.launch import get_launcher
-from infra.launch.job import JobSpec
-from infra.launch.kubernetes import KubernetesJob, object_name
+from infra.launch.job import JobResult, JobSpec
+from infra.launch.kubernetes import object_name
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = "fixtures.launch_worker"  # a stand-in for `-m trainer`: gloo all_reduce, sleep or fail
@@ -81,30 +82,6 @@ def _processes_of(job_id: str) -> list[int]:
             except OSError:
                 continue
     return pids
-
-
-def test_jobset_runs_two_pods_that_rendezvous_and_write_result_to_s3(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
-    launcher, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce")
-    assert isinstance(job, KubernetesJob) and launcher.result(spec) is None
-    assert job.wait(timeout=120) == 0, job.log_path.read_text()
-
-    result = launcher.result(spec)  # read from s3://.../result.json, written by rank 0 inside a pod
-    assert result is not None and result.status == "completed"
-    assert result.metrics == {"all_reduce_sum": 3.0, "world_size": 2.0}  # ranks 0 and 1 in two pods
-    name = object_name(spec.job_id)
-    assert result.model_extra["hostname"] in (f"{name}-node-0-0", f"{name}-node-0-1")  # a pod's own hostname
-
-    log = job.log_path.read_text()
-    for pod in (f"{name}-node-0-0-", f"{name}-node-0-1-"):
-        assert f"[kubernetes] pod {pod}" in log and "Running" in log
-    assert "Succeeded (exit code 0)" in log
-    assert "mode allreduce" in log  # the first pod's own output streamed into the job's log
-    kept = sorted(p.name for p in job.log_path.with_suffix("").iterdir())
-    assert len(kept) == 2 and all(k.startswith(f"{name}-node-0-") for k in kept)
-    # The JobSet owns its ConfigMap now: deleting the JobSet would take it along.
-    cm = core.read_namespaced_config_map(f"{name}-job", "default")
-    assert [r.kind for r in cm.metadata.owner_references] == ["JobSet"]
-    assert not _processes_of(spec.job_id)
 
 
 def test_a_failing_rank_fails_the_job_and_names_its_exit_code(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
@@ -171,3 +148,59 @@ def test_ctrl_c_in_the_stage_cancels_the_job_and_kills_every_rank(k8s_cluster, c
         with pytest.raises(client.exceptions.ApiException) as err:
             read()
         assert err.value.status == 404
+
+
+@pytest.mark.slow
+def test_pretrain_stage_runs_the_trainer_on_two_pods_with_everything_in_s3(k8s_cluster, core, s3_endpoint, s3_store,
+                                                                           tmp_path):  # fmt: skip
+    """The pretrain stage itself with `infra.launcher: kubernetes`: the real trainer, 2 pods x 1 rank
+    (data parallel, ZeRO-1), reads the token shards from S3 into each pod's own cache, writes its
+    checkpoint shards, metrics and result straight to the artifact's S3 prefix; the pods see none of
+    this machine's /tmp, where the test's files and the stage's workspace are."""
+    from fixtures.trainer_data import make_tokens, tiny_config
+    from infra.store import open_store
+    from infra.workspace import Workspace
+    from stages import pretrain
+    from stages.base import StageContext
+
+    s3_store.put_dir(make_tokens(tmp_path / "tokens"), "tokens")
+    data = tiny_config(steps=4, checkpoint={"every": 2}).model_dump(mode="json")
+    data["parallel"].update(nnodes=2, nproc_per_node=1, dp=2, zero=1)
+    data["infra"].update(
+        workdir=str(tmp_path / "ws"), store=s3_store.url("runs"), s3_endpoint_url=s3_endpoint, launcher="kubernetes",
+        device="cpu", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        kubernetes={"kind": "jobset", "image": "eightfold:this-checkout", "kubeconfig": str(k8s_cluster.kubeconfig),
+                    "cpu": "100m", "memory": "2Gi", "shm_size": "256Mi", "env_from_secret": SECRET,
+                    "rdzv_port": _free_port(), "termination_grace_s": 5, "poll_s": 0.3,
+                    "ttl_seconds_after_finished": None},
+    )  # fmt: skip
+    cfg = LifecycleConfig.model_validate(data)
+    out_uri = s3_store.url("runs/trainer-test/pretrain/k8s")
+    (tmp_path / "out").mkdir()  # the task makes the artifact's local folder (the plot goes there)
+    ctx = StageContext(cfg, Workspace.from_config(cfg), tmp_path / "out", out_uri=out_uri,
+                       input_uris={"tokens": s3_store.url("tokens")})  # fmt: skip
+    summary = pretrain.run(ctx)
+    assert summary["steps"] == 4 and 0 < summary["loss"] < 10
+    assert (tmp_path / "out" / "activations.png").stat().st_size > 0  # from metrics.jsonl, read back from S3
+
+    out = open_store(out_uri, endpoint_url=s3_endpoint)
+    result = JobResult.model_validate_json(out.get_bytes("result.json"))
+    assert result.status == "completed" and result.checkpoint.startswith(out_uri)
+    keys = out.list("")
+    assert any(k.startswith("metrics.jsonl") for k in keys)
+    shards = [k for k in keys if k.startswith("checkpoints/") and k.endswith(".distcp")]
+    assert {re.match(r"__(\d+)_", Path(k).name).group(1) for k in shards} == {"0", "1"}, shards  # from 2 pods
+
+    # Followed on the way: both pods' phases, the first pod's own output, every pod's whole log kept.
+    (log,) = (tmp_path / "ws").rglob("logs/pretrain-*.log")
+    text, job_id = log.read_text(), log.stem
+    name = object_name(job_id)
+    for pod in (f"{name}-node-0-0-", f"{name}-node-0-1-"):
+        assert f"[kubernetes] pod {pod}" in text
+    assert text.count("Succeeded (exit code 0)") == 2 and any(not line.startswith("[kubernetes]") for line in text.splitlines())
+    kept = sorted(p.stem.rsplit("-", 1)[0] for p in log.with_suffix("").iterdir())  # <pod>.log, pod = <job>-<5 chars>
+    assert kept == [f"{name}-node-0-0", f"{name}-node-0-1"]
+    # The JobSet owns its ConfigMap (deleting the JobSet takes it along); no rank outlived its pod.
+    cm = core.read_namespaced_config_map(f"{name}-job", "default")
+    assert [r.kind for r in cm.metadata.owner_references] == ["JobSet"]
+    assert not _processes_of(job_id)
