@@ -43,16 +43,20 @@ def core(k8s_cluster, s3_endpoint):
     return api
 
 
+def _k8s(cluster, kind: str = "jobset", **over) -> dict:
+    """`infra.kubernetes` for the stand-in: small requests (one 2-core node), S3 keys from the Secret,
+    a free rendezvous port, a short grace, a quick poll."""
+    return {"kind": kind, "image": "eightfold:this-checkout", "kubeconfig": str(cluster.kubeconfig), "cpu": "100m",
+            "memory": "2Gi", "shm_size": "256Mi", "env_from_secret": SECRET, "rdzv_port": _free_port(),
+            "termination_grace_s": 2, "poll_s": 0.2, "ttl_seconds_after_finished": None, **over}  # fmt: skip
+
+
 def _job(tmp_path: Path, cluster, s3_endpoint: str, bucket: str, kind: str, mode: str, **k8s):
     """The config (`infra.launcher: kubernetes`, an s3:// store) and job file of a 2-pod job."""
     cfg = LifecycleConfig.model_validate({
         "parallel": {"nnodes": 2, "nproc_per_node": 1, "dp": 2},
         "infra": {"launcher": "kubernetes", "store": f"s3://{bucket}/exp", "s3_endpoint_url": s3_endpoint,
-                  "device": "cpu",
-                  "kubernetes": {"kind": kind, "image": "eightfold:this-checkout", "kubeconfig": str(cluster.kubeconfig),
-                                 "cpu": "100m", "memory": "1Gi", "shm_size": "64Mi", "env_from_secret": SECRET,
-                                 "rdzv_port": _free_port(), "termination_grace_s": 2, "poll_s": 0.2,
-                                 "ttl_seconds_after_finished": None, **k8s}},
+                  "device": "cpu", "kubernetes": _k8s(cluster, kind, **k8s)},
     })  # fmt: skip
     job_id = f"pretrain-{kind}-{mode}-{os.urandom(3).hex()}"
     spec = JobSpec(
@@ -168,11 +172,7 @@ def test_pretrain_stage_runs_the_trainer_on_two_pods_with_everything_in_s3(k8s_c
     data["parallel"].update(nnodes=2, nproc_per_node=1, dp=2, zero=1)
     data["infra"].update(
         workdir=str(tmp_path / "ws"), store=s3_store.url("runs"), s3_endpoint_url=s3_endpoint, launcher="kubernetes",
-        device="cpu", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
-        kubernetes={"kind": "jobset", "image": "eightfold:this-checkout", "kubeconfig": str(k8s_cluster.kubeconfig),
-                    "cpu": "100m", "memory": "2Gi", "shm_size": "256Mi", "env_from_secret": SECRET,
-                    "rdzv_port": _free_port(), "termination_grace_s": 5, "poll_s": 0.3,
-                    "ttl_seconds_after_finished": None},
+        device="cpu", tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", kubernetes=_k8s(k8s_cluster),
     )  # fmt: skip
     cfg = LifecycleConfig.model_validate(data)
     out_uri = s3_store.url("runs/trainer-test/pretrain/k8s")
@@ -204,3 +204,36 @@ def test_pretrain_stage_runs_the_trainer_on_two_pods_with_everything_in_s3(k8s_c
     cm = core.read_namespaced_config_map(f"{name}-job", "default")
     assert [r.kind for r in cm.metadata.owner_references] == ["JobSet"]
     assert not _processes_of(job_id)
+
+
+@pytest.mark.slow
+def test_posttrain_sft_runs_in_a_pod_that_reads_its_inputs_from_s3(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
+    """The post-train stage's SFT step with `infra.launcher: kubernetes` (one pod): the base weights,
+    data, tokenizer and replay rows reach the pod as S3 URIs only; the tuned model comes back from S3."""
+    from fixtures.posttrain import make_base, make_chat_tokenizer, posttrain_config
+    from fixtures.posttrain import make_tokens as make_chat_tokens
+    from infra.store import open_store
+    from infra.workspace import Workspace
+    from stages.base import StageContext
+    from stages.posttrain.stage import run_step
+
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    base_cfg = posttrain_config(sft={"steps": 2, "warmup_steps": 0, "num_examples": 16}, task={"heldout_size": 4})
+    data = base_cfg.model_dump(mode="json")
+    data["infra"].update(workdir=str(tmp_path / "ws"), store=s3_store.url("runs"), s3_endpoint_url=s3_endpoint,
+                         launcher="kubernetes", kubernetes=_k8s(k8s_cluster))  # fmt: skip
+    cfg = LifecycleConfig.model_validate(data)
+    tokens = make_chat_tokens(tmp_path / "tokens", tok)
+    s3_store.put_dir(tok, "tok")
+    s3_store.put_dir(tokens, "tokens")
+    out_uri = s3_store.url("runs/posttrain-test/posttrain-sft/k8s")
+    ctx = StageContext(cfg, Workspace.from_config(cfg), tmp_path / "out", out_uri=out_uri,
+                       inputs={"pretrain": make_base(tmp_path / "pretrain", cfg, tok), "tokenizer": tok, "tokens": tokens},
+                       input_uris={"tokenizer": s3_store.url("tok"), "tokens": s3_store.url("tokens")})  # fmt: skip
+    summary = run_step(ctx, "sft")
+    assert summary["steps"] == 2 and summary["heldout_n"] == 4
+    out = open_store(out_uri, endpoint_url=s3_endpoint)
+    assert JobResult.model_validate_json(out.get_bytes("result.json")).status == "completed"
+    assert "model.safetensors" in out.list("") and "data/train.jsonl" in out.list("data")
+    (pod,) = core.list_namespaced_pod("default", label_selector="eightfold/stage=posttrain-sft").items
+    assert pod.status.phase == "Succeeded" and pod.status.container_statuses[0].state.terminated.exit_code == 0
