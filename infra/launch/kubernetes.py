@@ -486,10 +486,10 @@ def _not_found(exc: Exception) -> bool:
 class KubernetesJob:
     """A submitted job, followed through its status conditions, its pods' phases and its first pod's log.
 
-    Every `poll` also appends to `log_path` what changed since the last one: a `[kubernetes]` line per
-    pod phase (with the reason when a pod is stuck: Unschedulable, CreateContainerConfigError ...) and
-    the new output of the first pod (rank 0's node). When the job ends, every pod's whole log is kept
-    beside it in `<log_path without .log>/<pod>.log`."""
+    Every `poll` also appends to `log_path` a `[kubernetes]` line per pod phase change (with the reason
+    when a pod is stuck: Unschedulable, CreateContainerConfigError, a failed init container ...), and
+    the first pod's output (node 0, the rendezvous host) streams in as it is written. When the job
+    ends, every pod's whole log is kept beside it in `<log_path without .log>/<pod>.log`."""
 
     def __init__(self, job_id: str, name: str, config: KubernetesConfig, api, log_path: Path):
         self.job_id, self.name, self.config, self.api, self.log_path = job_id, name, config, api, log_path
@@ -693,7 +693,7 @@ class KubernetesJob:
         return left
 
     def logs(self, follow: bool = False) -> Iterator[str]:
-        """The first pod's output (rank 0 logs there); with follow, the job's log file as it grows."""
+        """The first pod's output (node 0, the rendezvous host); with follow, the job's log file as it grows."""
         if follow:
             yield from follow_file(self.log_path, stop=lambda: self.poll() not in ("pending", "running"))
             return
