@@ -88,7 +88,11 @@ class SlurmConfig(Section):
 class KubernetesConfig(Section):
     """A JobSet (jobset.x-k8s.io/v1alpha2) or Kubeflow PyTorchJob (kubeflow.org/v1): one pod per node."""
 
-    kind: Literal["jobset", "pytorchjob"] = Field("jobset", description="which controller runs the pods")
+    kind: Literal["jobset", "pytorchjob", "job"] = Field(
+        "jobset",
+        description="which controller runs the pods: JobSet, Kubeflow's PyTorchJob, or a plain Indexed batch/v1 Job "
+        "with a headless Service (any cluster: no CRD or operator needed)",
+    )
     namespace: str = Field("default", description="namespace of the job, its ConfigMap and service")
     image: str | None = Field(None, description="container image holding this project (required to render)")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -108,6 +112,10 @@ class KubernetesConfig(Section):
     max_restarts: int = Field(0, ge=0, description="torchrun --max-restarts inside a pod")
     backoff_limit: int = Field(0, ge=0, description="times the controller recreates failed pods (Prefect retries too)")
     ttl_seconds_after_finished: int | None = Field(86400, ge=0, description="delete the finished job after this")
+    termination_grace_s: int | None = Field(
+        None, ge=0, description="pods' terminationGracePeriodSeconds: SIGTERM to SIGKILL on cancel; None = 30"
+    )
+    poll_s: float = Field(5.0, gt=0, description="how often the launcher reads the job's status, pods and logs")
     workdir: str = Field("/workspace", description="job scratch folder inside the pod")
     kubeconfig: str | None = Field(
         None, description="kubeconfig path; default KUBECONFIG, ~/.kube/config, then the pod's service account"

@@ -1,7 +1,9 @@
-"""The Kubernetes launcher: a JobSet (jobset.x-k8s.io/v1alpha2) or a Kubeflow PyTorchJob
-(kubeflow.org/v1) with one pod per node, each pod a torchrun agent, plus a ConfigMap holding the
-job file. Rendered from `infra/templates/` and `infra.kubernetes:`, validated offline, and created
-with the kubernetes client when a cluster is configured.
+"""The Kubernetes launcher: a JobSet (jobset.x-k8s.io/v1alpha2), a Kubeflow PyTorchJob
+(kubeflow.org/v1) or a plain Indexed batch/v1 Job with a headless Service, one pod per node, each pod
+a torchrun agent, plus a ConfigMap holding the job file. Rendered from `infra/templates/` and
+`infra.kubernetes:`, validated offline, and created with the kubernetes client when a cluster is
+configured; then followed (the job's conditions, its pods' phases, the first pod's log into the job's
+log file) and, on cancel, deleted with foreground propagation so no pod outlives it.
 
 Offline validation is the Kubernetes schema as the client ships it: `kubernetes.client` models are
 pydantic models generated from the API's OpenAPI spec (`extra="forbid"`, typed fields), so the Job
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,7 +28,7 @@ import jsonschema
 import yaml
 
 from infra.config.launch import KubernetesConfig
-from infra.launch.base import read_result
+from infra.launch.base import follow_file, read_result
 from infra.launch.job import JobResult, JobSpec
 from infra.templates import render_template
 
@@ -34,6 +37,13 @@ KINDS = {
     # kind -> (template, group, version, plural, object kind)
     "jobset": ("jobset.yaml.j2", "jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet"),
     "pytorchjob": ("pytorchjob.yaml.j2", "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
+    "job": ("indexedjob.yaml.j2", "batch", "v1", "jobs", "Job"),
+}
+# The label every pod of a job carries, by kind (set by the JobSet, training-operator and Job controllers).
+POD_SELECTOR = {
+    "JobSet": "jobset.sigs.k8s.io/jobset-name={name}",
+    "PyTorchJob": "training.kubeflow.org/job-name={name}",
+    "Job": "batch.kubernetes.io/job-name={name}",
 }
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -82,7 +92,8 @@ def render(
     env: dict[str, str] | None = None,
     validate: bool = True,
 ) -> list[dict[str, Any]]:
-    """[ConfigMap with the job file, JobSet or PyTorchJob] for this job, validated unless told not to."""
+    """[ConfigMap with the job file, (headless Service, for kind job), the workload] for this job,
+    validated unless told not to."""
     if config.image is None:
         raise ManifestError("infra.kubernetes", ["image: not set; the pods need the project's container image"])
     nnodes, nproc = _shape(spec, nnodes, nproc_per_node)
@@ -92,10 +103,15 @@ def render(
     labels = {"app.kubernetes.io/name": "eightfold", "eightfold/job-id": object_name(spec.job_id)[:63],
               "eightfold/stage": re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.stage)[:63].strip("-_.") or "stage"}  # fmt: skip
 
+    subdomain = None
     if config.kind == "jobset":
         # Pod 0 of job 0 of replicated job "node", through the JobSet's headless service.
         endpoint = f"{name}-node-0-0.{name}:{config.rdzv_port}"
         port_name, restart_policy, container = "c10d", "Never", "trainer"
+    elif config.kind == "job":
+        # Pod 0 of the Indexed Job (hostname <job>-0), through our headless service named like the job.
+        endpoint = f"{name}-0.{name}:{config.rdzv_port}"
+        port_name, restart_policy, container, subdomain = "c10d", "Never", "trainer", name
     else:
         # Set by the training operator in every pod: the master's service and the port named below.
         endpoint = "$(MASTER_ADDR):$(MASTER_PORT)"
@@ -132,13 +148,17 @@ def render(
         "limits": limits,
         "config_map": config_map,
         "shm_size": config.shm_size,
+        "subdomain": subdomain,
+        "termination_grace_s": config.termination_grace_s,
     }
     # The pods see their own scratch folder, not this machine's.
     in_pod = spec.model_copy(update={"workdir": config.workdir})
     job_yaml = yaml.safe_dump(in_pod.model_dump(mode="json"), sort_keys=False)
     common = {"name": name, "namespace": config.namespace, "labels": labels}
-    docs = [
-        yaml.safe_load(render_template("configmap.yaml.j2", config_map=config_map, job_yaml=job_yaml, **common)),
+    docs = [yaml.safe_load(render_template("configmap.yaml.j2", config_map=config_map, job_yaml=job_yaml, **common))]
+    if config.kind == "job":
+        docs.append(yaml.safe_load(render_template("service.yaml.j2", port=config.rdzv_port, **common)))
+    docs.append(
         yaml.safe_load(
             render_template(
                 template,
@@ -149,8 +169,8 @@ def render(
                 pod_values=pod_values,
                 **common,
             )
-        ),
-    ]
+        )
+    )
     if validate:
         for doc in docs:
             validate_manifest(doc)
@@ -395,9 +415,15 @@ def manifest_problems(doc: dict[str, Any]) -> list[str]:
         if not _DNS_LABEL.match(str((doc.get("metadata") or {}).get("name", ""))):
             problems.append(f"metadata.name: {(doc.get('metadata') or {}).get('name')!r} is not a DNS name")
         return problems
+    if kind == "Service":
+        return _model_problems(client.V1Service, doc, "")
+    if kind == "Job":
+        problems = _model_problems(client.V1Job, doc, "")
+        pod = ((doc.get("spec") or {}).get("template")) if isinstance(doc.get("spec"), dict) else None
+        return problems + _pod_problems(pod or {}, "spec.template", job_pod=True)
     schemas = {"JobSet": JOBSET_SCHEMA, "PyTorchJob": PYTORCHJOB_SCHEMA}
     if kind not in schemas:
-        return [f"kind: {kind!r} is not one this launcher renders (ConfigMap, JobSet, PyTorchJob)"]
+        return [f"kind: {kind!r} is not one this launcher renders (ConfigMap, Service, Job, JobSet, PyTorchJob)"]
     validator = jsonschema.Draft202012Validator(schemas[kind])
     problems = [f"{_where(e.absolute_path)}: {e.message}" for e in sorted(validator.iter_errors(doc), key=str)]
     spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
@@ -453,14 +479,28 @@ def api_client(config: KubernetesConfig):
         return client.ApiClient()
 
 
+def _not_found(exc: Exception) -> bool:
+    return getattr(exc, "status", None) == 404
+
+
 class KubernetesJob:
-    """A submitted JobSet or PyTorchJob, followed through its status conditions."""
+    """A submitted job, followed through its status conditions, its pods' phases and its first pod's log.
+
+    Every `poll` also appends to `log_path` a `[kubernetes]` line per pod phase change (with the reason
+    when a pod is stuck: Unschedulable, CreateContainerConfigError, a failed init container ...), and
+    the first pod's output (node 0, the rendezvous host) streams in as it is written. When the job
+    ends, every pod's whole log is kept beside it in `<log_path without .log>/<pod>.log`."""
 
     def __init__(self, job_id: str, name: str, config: KubernetesConfig, api, log_path: Path):
         self.job_id, self.name, self.config, self.api, self.log_path = job_id, name, config, api, log_path
         _, self.group, self.version, self.plural, self.kind = KINDS[config.kind]
         self._cancelled = False
         self.exit_code: int | None = None
+        self._phases: dict[str, str] = {}
+        self._log_offset: dict[str, int] = {}  # bytes of a pod's log already in log_path
+        self._lock = threading.RLock()
+        self._streamer: threading.Thread | None = None
+        self._streamed_pod, self._stream_done = "", False
 
     def _get(self) -> dict:
         from kubernetes import client
@@ -469,21 +509,32 @@ class KubernetesJob:
             self.group, self.version, self.config.namespace, self.plural, self.name
         )
 
-    def poll(self) -> str:
-        if self._cancelled:
-            return "cancelled"
+    def _state(self) -> str:
         status = self._get().get("status") or {}
         true = {c.get("type") for c in status.get("conditions") or [] if str(c.get("status")) == "True"}
         if "Failed" in true:
             return "failed"
-        if true & {"Completed", "Succeeded"}:
+        if true & {"Completed", "Succeeded", "Complete"}:
             return "succeeded"
         if self.kind == "PyTorchJob":
             return "running" if true & {"Running", "Restarting"} else "pending"
+        if self.kind == "Job":
+            return "running" if int(status.get("active") or 0) else "pending"
         active = sum(int(r.get("active", 0)) for r in status.get("replicatedJobsStatus") or [])
         return "running" if active else "pending"
 
-    def wait(self, timeout: float | None = None, poll_s: float = 5.0) -> int:
+    def poll(self) -> str:
+        if self._cancelled:
+            return "cancelled"
+        state = self._state()
+        try:
+            self._follow(final=state not in ("pending", "running"))
+        except Exception as exc:  # following is best effort: a log the API cannot serve must not fail the job
+            self._append(f"[kubernetes] could not follow the pods: {exc}\n")
+        return state
+
+    def wait(self, timeout: float | None = None, poll_s: float | None = None) -> int:
+        poll_s = self.config.poll_s if poll_s is None else poll_s
         deadline = None if timeout is None else time.monotonic() + timeout
         while (state := self.poll()) in ("pending", "running"):
             if deadline is not None and time.monotonic() > deadline:
@@ -492,34 +543,166 @@ class KubernetesJob:
         self.exit_code = {"succeeded": 0, "cancelled": 143}.get(state, 1)
         return self.exit_code
 
-    def cancel(self) -> None:
-        """Delete the job object; its pods go with it (foreground propagation), then the ConfigMap."""
+    # --- following the pods -----------------------------------------------------------------------
+
+    def pods(self) -> list:
+        """The job's pods, sorted by name: the first is node 0's (JobSet and Job index 0, PyTorchJob's master)."""
         from kubernetes import client
 
-        body = client.V1DeleteOptions(propagation_policy="Foreground")
-        client.CustomObjectsApi(self.api).delete_namespaced_custom_object(
-            self.group, self.version, self.config.namespace, self.plural, self.name, body=body
-        )
-        client.CoreV1Api(self.api).delete_namespaced_config_map(f"{self.name}-job", self.config.namespace)
-        self._cancelled = True
+        selector = POD_SELECTOR[self.kind].format(name=self.name)
+        pods = client.CoreV1Api(self.api).list_namespaced_pod(self.config.namespace, label_selector=selector).items
+        return sorted(pods, key=lambda p: p.metadata.name)
 
-    def logs(self, follow: bool = False) -> Iterator[str]:
-        """The first pod's output (rank 0 logs there); also kept in log_path."""
+    def _append(self, text: str) -> None:
+        with self._lock:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(text)
+
+    @staticmethod
+    def _phase(pod) -> str:
+        """The phase, with why a pod is not running yet (what `kubectl get pods` shows as STATUS)."""
+        phase = pod.status.phase or "Unknown"
+        if pod.metadata.deletion_timestamp:
+            return "Terminating"
+        for cond in pod.status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False":
+                return f"{phase} ({cond.reason}: {cond.message})"
+        for cs in pod.status.init_container_statuses or []:  # a failed pre-flight (init container) says so
+            terminated = cs.state.terminated if cs.state else None
+            if terminated is not None and terminated.exit_code:
+                return f"{phase} (init container {cs.name}: exit code {terminated.exit_code})"
+        for cs in pod.status.container_statuses or []:
+            waiting = cs.state.waiting if cs.state else None
+            if waiting and waiting.reason:
+                return f"{phase} ({waiting.reason}: {waiting.message or ''})"
+            terminated = cs.state.terminated if cs.state else None
+            if terminated is not None:
+                return f"{phase} (exit code {terminated.exit_code})"
+        return phase
+
+    def _follow(self, final: bool = False) -> None:
         from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
 
         core = client.CoreV1Api(self.api)
-        selector = (
-            f"jobset.sigs.k8s.io/jobset-name={self.name}"
-            if self.kind == "JobSet"
-            else f"training.kubeflow.org/job-name={self.name},training.kubeflow.org/replica-type=master"
-        )
-        pods = core.list_namespaced_pod(self.config.namespace, label_selector=selector).items
+        with self._lock:
+            pods = self.pods()
+            for pod in pods:
+                phase = self._phase(pod)
+                if self._phases.get(pod.metadata.name) != phase:
+                    self._phases[pod.metadata.name] = phase
+                    self._append(f"[kubernetes] pod {pod.metadata.name}: {phase}\n")
+            if pods and pods[0].status.phase in ("Running", "Succeeded", "Failed"):
+                self._stream_first_pod(pods[0].metadata.name)
+        if not final:
+            return
+        if self._streamer is not None:
+            self._streamer.join(timeout=10)  # the stream ends with the container: take its last lines
+        for pod in pods:  # every pod's whole log, kept beside the job's
+            try:
+                text = core.read_namespaced_pod_log(pod.metadata.name, self.config.namespace)
+            except ApiException as exc:
+                if exc.status in (400, 404):  # never started, or already gone
+                    continue
+                raise
+            keep = self.log_path.with_suffix("") / f"{pod.metadata.name}.log"
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            keep.write_text(text)
+
+    def _stream_first_pod(self, pod: str) -> None:
+        """Follow the first pod's log (one `follow=true` stream, not a re-read per poll) into the job's
+        log, in a thread; started again, past what was written, if the stream broke while the pod runs."""
+        if self._streamer is not None and self._streamer.is_alive():
+            return
+        if self._streamer is not None and self._streamed_pod == pod and self._stream_done:
+            return  # this pod's container ended and its stream was read to the end
+        self._streamed_pod, self._stream_done = pod, False
+        self._streamer = threading.Thread(target=self._stream, args=(pod,), name=f"logs-{pod}", daemon=True)
+        self._streamer.start()
+
+    def _stream(self, pod: str) -> None:
+        from kubernetes import client
+
+        skip, pending = self._log_offset.get(pod, 0), b""
+        try:
+            resp = client.CoreV1Api(self.api).read_namespaced_pod_log(
+                pod, self.config.namespace, follow=True, _preload_content=False
+            )
+            for chunk in resp.stream(65536):
+                if skip:  # a resumed stream starts from the beginning again
+                    chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+                pending += chunk
+                lines, _, pending = pending.rpartition(b"\n")
+                if lines:  # whole lines only, so the [kubernetes] lines never split one
+                    self._append_bytes(pod, lines + b"\n")
+            if pending:
+                self._append_bytes(pod, pending)
+            self._stream_done = True
+        except Exception as exc:  # the next poll starts a new stream past what was written
+            self._append(f"[kubernetes] log stream of {pod} broke: {exc}\n")
+
+    def _append_bytes(self, pod: str, data: bytes) -> None:
+        with self._lock:
+            self._append(data.decode(errors="replace"))
+            self._log_offset[pod] = self._log_offset.get(pod, 0) + len(data)
+
+    def cancel(self, wait_s: float | None = None) -> None:
+        """Delete the job object with foreground propagation (its Jobs and pods go first), its ConfigMap
+        and Service; then wait until its pods are gone, at most the pods' grace period plus 15 s
+        (`wait_s`), so that no rank outlives the task that cancelled it."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        ns, core = self.config.namespace, client.CoreV1Api(self.api)
+        body = client.V1DeleteOptions(propagation_policy="Foreground")
+        deletes = [
+            lambda: client.CustomObjectsApi(self.api).delete_namespaced_custom_object(
+                self.group, self.version, ns, self.plural, self.name, body=body
+            ),
+            lambda: core.delete_namespaced_config_map(f"{self.name}-job", ns),
+        ]
+        if self.kind == "Job":
+            deletes.append(lambda: core.delete_namespaced_service(self.name, ns))
+        for delete in deletes:
+            try:
+                delete()
+            except ApiException as exc:
+                if not _not_found(exc):  # already gone is what we want
+                    raise
+        self._cancelled = True
+        grace = 30 if self.config.termination_grace_s is None else self.config.termination_grace_s
+        deadline = time.monotonic() + (grace + 15 if wait_s is None else wait_s)
+        while (left := self._left()) and time.monotonic() < deadline:
+            time.sleep(min(self.config.poll_s, 0.5))
+        self._append(f"[kubernetes] cancelled: {self.kind} {ns}/{self.name} deleted"
+                     + (f"; still terminating: {', '.join(left)}\n" if left else "; no pod left\n"))  # fmt: skip
+
+    def _left(self) -> list[str]:
+        """What of the job still exists: its pods, then the job object (kept by foreground deletion
+        until its pods are gone)."""
+        from kubernetes.client.exceptions import ApiException
+
+        left = [p.metadata.name for p in self.pods()]
+        try:
+            self._get()
+            left.append(f"{self.kind} {self.name}")
+        except ApiException as exc:
+            if not _not_found(exc):
+                raise
+        return left
+
+    def logs(self, follow: bool = False) -> Iterator[str]:
+        """The first pod's output (node 0, the rendezvous host); with follow, the job's log file as it grows."""
+        if follow:
+            yield from follow_file(self.log_path, stop=lambda: self.poll() not in ("pending", "running"))
+            return
+        from kubernetes import client
+
+        pods = self.pods()
         if not pods:
             return
-        pod = sorted(pods, key=lambda p: p.metadata.name)[0].metadata.name
-        text = core.read_namespaced_pod_log(pod, self.config.namespace)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path.write_text(text)
+        text = client.CoreV1Api(self.api).read_namespaced_pod_log(pods[0].metadata.name, self.config.namespace)
         yield from text.splitlines(keepends=True)
 
 
@@ -552,23 +735,46 @@ class KubernetesLauncher:
                 f"job {spec.job_id}: output {spec.output!r} is not reachable from pods; "
                 "set infra.store to an s3:// bucket for the kubernetes launcher"
             )
-        config_map, job = self.render(spec)
+        docs = self.render(spec)
+        config_map, extras, job = docs[0], docs[1:-1], docs[-1]
         api = api_client(self.config)
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
         _, group, version, plural, kind = KINDS[self.config.kind]
-        ns = self.config.namespace
+        ns, core = self.config.namespace, client.CoreV1Api(api)
         try:
-            client.CoreV1Api(api).create_namespaced_config_map(ns, config_map)
-            client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, ns, plural, job)
+            core.create_namespaced_config_map(ns, config_map)
+            for extra in extras:  # the headless Service of a plain Job
+                core.create_namespaced_service(ns, extra)
+            created = client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, ns, plural, job)
         except ApiException as exc:
-            hint = f" (is the {kind} CRD installed?)" if exc.status == 404 else ""
+            hint = f" (is the {kind} CRD installed?)" if exc.status == 404 and group not in ("", "batch") else ""
             raise KubernetesUnavailable(
                 f"creating {kind} {ns}/{job['metadata']['name']} failed: {exc.status} {exc.reason}{hint}"
             ) from None
+        self._adopt(core, [config_map, *extras], created)
         log_path = Path(spec.workdir).expanduser().resolve() / "logs" / f"{spec.job_id}.log"
-        return KubernetesJob(spec.job_id, job["metadata"]["name"], self.config, api, log_path)
+        handle = KubernetesJob(spec.job_id, job["metadata"]["name"], self.config, api, log_path)
+        handle._append(f"[kubernetes] created {kind} {ns}/{job['metadata']['name']} at {api.configuration.host}\n")
+        return handle
+
+    def _adopt(self, core, docs: list[dict], owner: dict) -> None:
+        """Make the job own its ConfigMap and Service, so the garbage collector removes them with it
+        (TTL after finishing, a delete by hand). Best effort: cancel deletes them by name anyway."""
+        uid = (owner.get("metadata") or {}).get("uid")
+        if not uid:
+            return
+        ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"], "uid": uid}
+        patch = {"metadata": {"ownerReferences": [ref]}}
+        for doc in docs:
+            try:
+                if doc["kind"] == "ConfigMap":
+                    core.patch_namespaced_config_map(doc["metadata"]["name"], self.config.namespace, patch)
+                else:
+                    core.patch_namespaced_service(doc["metadata"]["name"], self.config.namespace, patch)
+            except Exception:  # a cluster refusing the patch still runs the job
+                pass
 
     def result(self, spec: JobSpec) -> JobResult | None:
         return read_result(spec)

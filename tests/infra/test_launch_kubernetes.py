@@ -207,8 +207,16 @@ class _FakeApi(BaseHTTPRequestHandler):
         self.calls.append(("GET", self.path))
         if self.path in self.objects:
             self._reply(200, self.objects[self.path])
+        elif self.path.split("?")[0].endswith("/pods"):  # the launcher follows the job's pods
+            self._reply(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": []})
         else:
             self._reply(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})
+
+    def do_PATCH(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.calls.append(("PATCH", self.path))
+        self.objects[self.path] = {**self.objects.get(self.path, {}), **body}
+        self._reply(200, self.objects[self.path])
 
     def do_DELETE(self):  # noqa: N802
         self.calls.append(("DELETE", self.path))
@@ -241,7 +249,7 @@ def fake_api(tmp_path):
 
 def test_submit_creates_configmap_and_jobset_then_follows_and_cancels(fake_api, tmp_path):
     cfg = KubernetesConfig(kind="jobset", image=IMAGE, namespace="llm", kubeconfig=str(fake_api))
-    spec = _spec()
+    spec = _spec().model_copy(update={"workdir": str(tmp_path)})  # the job's log file goes there
     launcher = KubernetesLauncher(cfg, env={"EIGHTFOLD_DEVICE": "cuda"})
     assert isinstance(launcher, Launcher)
     job = launcher.submit(spec)
@@ -268,9 +276,9 @@ def test_submit_creates_configmap_and_jobset_then_follows_and_cancels(fake_api, 
     assert job.poll() == "cancelled"
 
 
-def test_submit_pytorchjob_paths_and_status(fake_api):
+def test_submit_pytorchjob_paths_and_status(fake_api, tmp_path):
     cfg = KubernetesConfig(kind="pytorchjob", image=IMAGE, kubeconfig=str(fake_api))
-    job = KubernetesLauncher(cfg).submit(_spec())
+    job = KubernetesLauncher(cfg).submit(_spec().model_copy(update={"workdir": str(tmp_path)}))
     path = f"/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/{object_name(_spec().job_id)}"
     assert ("POST", "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs") in _FakeApi.calls
     obj = _FakeApi.objects[path]
@@ -290,3 +298,22 @@ def test_submit_without_a_cluster_or_with_local_output_is_a_clear_error(tmp_path
         launcher.submit(_spec())
     with pytest.raises(ValueError, match="not reachable from pods; set infra.store to an s3:// bucket"):
         launcher.submit(_spec(output="file:///tmp/out"))
+
+
+def test_plain_indexed_job_renders_with_a_headless_service_naming_its_pods():
+    spec = _spec(nnodes=4, nproc=2)
+    cfg = KubernetesConfig(kind="job", image=IMAGE, termination_grace_s=60)
+    config_map, service, job = render(spec, cfg)  # validated against the client's V1Service and V1Job models
+    name = object_name(spec.job_id)
+    assert (config_map["kind"], service["kind"], job["kind"]) == ("ConfigMap", "Service", "Job")
+    assert job["spec"] | {"template": None} == {"completionMode": "Indexed", "completions": 4, "parallelism": 4,
+                                                "backoffLimit": 0, "ttlSecondsAfterFinished": 86400, "template": None}  # fmt: skip
+    pod = job["spec"]["template"]["spec"]
+    # Pod i is <job>-i (the Job controller's hostname) in the service's subdomain; pod 0 hosts the rendezvous.
+    assert pod["subdomain"] == service["metadata"]["name"] == name and pod["terminationGracePeriodSeconds"] == 60
+    assert _torchrun_args(pod["containers"][0]).rdzv_endpoint == f"{name}-0.{name}:{cfg.rdzv_port}"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    bad = copy.deepcopy(job)
+    bad["spec"]["template"]["spec"]["restartPolicy"] = "Always"
+    assert any("restartPolicy" in p for p in manifest_problems(bad))
