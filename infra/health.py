@@ -423,10 +423,11 @@ NODE_REPORTS = "health"
 
 def node_name() -> str:
     """This node's name as the scheduler knows it: Slurm's SLURMD_NODENAME inside a job (several
-    nodes on one machine share a hostname), else the hostname."""
+    nodes on one machine share a hostname), Kubernetes' spec.nodeName (EIGHTFOLD_NODE_NAME, set by the
+    launcher's pod template; a pod's hostname is the pod's), else the hostname."""
     import socket
 
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("EIGHTFOLD_NODE_NAME") or socket.gethostname()
 
 
 def write_node_report(store, node: str, ok: bool, reason: str, **meta: Any) -> str:

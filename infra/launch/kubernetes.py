@@ -140,7 +140,9 @@ def render(
         "image_pull_policy": config.image_pull_policy,
         "workdir": config.workdir,
         "command": command,
-        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        # the node's name, for the health report (infra.health.node_name)
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()]
+        + [{"name": "EIGHTFOLD_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
         "env_from_secret": config.env_from_secret,
         "port_name": port_name,
         "port": config.rdzv_port,
@@ -150,6 +152,8 @@ def render(
         "shm_size": config.shm_size,
         "subdomain": subdomain,
         "termination_grace_s": config.termination_grace_s,
+        "health_command": ["python", "-m", "infra.node_health", "probe", JOB_FILE_IN_POD]
+        if (spec.config.get("infra") or {}).get("health_check", True) else None,
     }
     # The pods see their own scratch folder, not this machine's.
     in_pod = spec.model_copy(update={"workdir": config.workdir})

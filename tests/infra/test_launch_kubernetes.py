@@ -84,6 +84,11 @@ def test_manifests_render_from_config_and_validate(kind):
         res = container["resources"]
         assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "4"
         assert {"name": "NCCL_DEBUG", "value": "WARN"} in container["env"]
+        # health per node first: an init container probing the node, reporting to the output store
+        (init,) = pod["spec"]["initContainers"]
+        assert init["command"] == ["python", "-m", "infra.node_health", "probe", "/etc/eightfold/job.yaml"]
+        assert init["image"] == IMAGE and init["env"] == container["env"]
+        assert {"name": "EIGHTFOLD_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in init["env"]
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes[mounts["/etc/eightfold"]]["configMap"]["name"] == config_map["metadata"]["name"]
@@ -317,3 +322,10 @@ def test_plain_indexed_job_renders_with_a_headless_service_naming_its_pods():
     bad = copy.deepcopy(job)
     bad["spec"]["template"]["spec"]["restartPolicy"] = "Always"
     assert any("restartPolicy" in p for p in manifest_problems(bad))
+
+
+def test_no_health_init_container_when_health_checks_are_off():
+    spec = _spec()
+    spec.config["infra"]["health_check"] = False
+    _, job = render(spec, KubernetesConfig(image=IMAGE))
+    assert all("initContainers" not in pod["spec"] for pod in _pods(job))

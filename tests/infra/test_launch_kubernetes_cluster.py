@@ -96,6 +96,25 @@ def test_a_failing_rank_fails_the_job_and_names_its_exit_code(k8s_cluster, core,
     assert launcher.result(spec) is None and not _processes_of(spec.job_id)
 
 
+def test_a_node_failing_its_health_probe_is_named_and_no_rank_starts(k8s_cluster, core, s3_endpoint, s3_store,
+                                                                      tmp_path):  # fmt: skip
+    """Each pod's init container probes its node (infra/node_health.py) and reports to the output store;
+    a failing node (injected) fails the init container, so the trainer never starts, the launcher names
+    the init container, and the report names the node for the stage to exclude."""
+    from infra.health import read_bad_nodes_from_store
+
+    node = k8s_cluster.node.name
+    cfg, spec = _job(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce")
+    spec = spec.model_copy(update={"env": {**spec.env, "EIGHTFOLD_FAULT_BAD_NODE": node}})
+    job = get_launcher(cfg, module=WORKER).submit(spec, spec.write(Path(spec.workdir) / "job.yaml"))
+    assert job.wait(timeout=120) != 0
+    log = job.log_path.read_text()
+    assert "init container node-health: exit code 75" in log, log
+    assert "mode allreduce" not in log  # the worker never ran
+    bad = read_bad_nodes_from_store(spec.output, s3_endpoint)
+    assert list(bad) == [node] and "injected" in bad[node]
+
+
 def test_pods_that_fit_no_node_stay_pending_and_say_why(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
     # The node has no GPU: the scheduler leaves the pods Pending, as a real one does.
     _, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce", gpus_per_pod=1)
