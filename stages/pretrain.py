@@ -13,12 +13,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from infra.launch import TrackingRef, get_launcher
+from infra.launch import get_launcher
 from infra.launch.job import JobResult, JobSpec
 
 from .activation_plot import plot_activation_stats
 from .attempts import DivergenceBudgetSpent, TrainingDiverged, TrainingJobFailed, next_launch, settle
 from .base import StageContext
+from .job_tracking import fetch_output_file, job_tracking, replay_metrics
 
 __all__ = ["TrainingJobFailed", "TrainingDiverged", "DivergenceBudgetSpent", "job_spec", "launch_and_wait", "run"]
 
@@ -39,25 +40,9 @@ def job_spec(ctx: StageContext, stage: str = "pretrain", section: str = "pretrai
         inputs=uris,
         output=ctx.job_output(),
         workdir=str(ctx.workspace.path("jobs", job_id)),
-        tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
+        tracking=job_tracking(ctx.cfg, ctx.workspace.tracking_uri, ctx.workspace.experiment, ctx.run_id),
         resume="latest",
     )
-
-
-def fetch_output_file(spec: JobSpec, name: str) -> Path | None:
-    """A file of the job's output as a local path (read through the store when the output is remote,
-    into the job's workdir on this machine), or None if the job wrote none."""
-    from infra.launch.base import endpoint_for
-    from infra.store import open_store
-    from trainer.job_io import is_local, local_path
-
-    if is_local(spec.output):
-        path = local_path(spec.output) / name
-        return path if path.is_file() else None
-    store = open_store(spec.output, endpoint_url=endpoint_for(spec))
-    if not store.exists(name):
-        return None
-    return store.get_file(name, Path(spec.workdir) / "from-output" / name)
 
 
 def _spike_config(ctx: StageContext, spec: JobSpec):
@@ -147,6 +132,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.log_params({"params_total": counts["total"], "params_active": counts["active"]})
     spec = job_spec(ctx)
     result = launch_and_wait(ctx, spec)
+    replay_metrics(spec, ctx.log_metrics)  # when the job's nodes could not reach the tracking store
     summary: dict[str, Any] = {"steps": result.steps, "params": counts["total"], **result.metrics, **predicted}
     summary.update(compare_prediction(summary))
     metrics = fetch_output_file(spec, "metrics.jsonl")

@@ -25,11 +25,12 @@ from typing import Callable
 
 from infra.artifacts import MANIFEST, artifact_prefix, commit_artifact, find_artifact, fingerprint
 from infra.config import LifecycleConfig
-from infra.launch import TrackingRef, get_launcher
+from infra.launch import get_launcher
 from infra.launch.job import JobSpec
 from infra.tracking import Tracker
 from infra.workspace import Workspace
 
+from ..job_tracking import job_tracking, replay_metrics
 from .proxies import ProxyPoint, proxy_config, proxy_section
 
 PROXY_STAGE = "ablations/proxy"
@@ -137,7 +138,7 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
     spec = JobSpec(
         job_id=job_id, stage=PROXY_STAGE, section="pretrain", config=pcfg.model_dump(mode="json"),
         inputs={"tokens": job.tokens_uri}, output=ws.store.url(prefix), workdir=str(ws.path("jobs", job_id)),
-        tracking=TrackingRef(uri=ws.tracking_uri, experiment=ws.experiment, run_id=run_id), resume="none", env=env,
+        tracking=job_tracking(pcfg, ws.tracking_uri, ws.experiment, run_id), resume="none", env=env,
     )
     try:
         tracker.log_params(run_id, {"proxy": {**point.axes, "size": point.size, "params": point.params,
@@ -153,6 +154,7 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
             handle.cancel()
             raise
         result = launcher.result(spec)
+        replay_metrics(spec, lambda m, step: tracker.log_metrics(run_id, m, step=step))
         if result is not None and result.status == "diverged":
             status, val_loss = "diverged", math.inf
         elif code != 0 or result is None or result.status != "completed":

@@ -24,13 +24,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from infra.launch import TrackingRef
 from infra.launch.job import JobSpec
 from infra.store import open_uri
 
 from ..base import StageContext
 from ..export.merge import find_checkpoint, load_full_state_dict
-from ..pretrain import fetch_output_file, launch_and_wait
+from ..job_tracking import fetch_output_file, job_tracking, replay_metrics
+from ..pretrain import launch_and_wait
 from .accuracy import heldout_accuracy, outcome_bits, paired_change, preference_accuracy
 from .data import builtin_rows, write_jsonl
 from .perplexity import LanguageModelLost, heldout_perplexity, heldout_rows, pretrained_perplexity
@@ -121,13 +121,14 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
             config=cfg.model_dump(mode="json"),
             inputs=_job_inputs(ctx, scratch.name, base, data_file.parent),
             output=ctx.job_output(), workdir=str(scratch),
-            tracking=TrackingRef(uri=ctx.workspace.tracking_uri, experiment=ctx.workspace.experiment, run_id=ctx.run_id),
+            tracking=job_tracking(cfg, ctx.workspace.tracking_uri, ctx.workspace.experiment, ctx.run_id),
             resume="none",
         )
         try:
             result = launch_and_wait(ctx, spec)
         finally:
             _drop_job_inputs(ctx, scratch.name)
+        replay_metrics(spec, ctx.log_metrics)  # when the job's nodes could not reach the tracking store
         model = fetch_output_file(spec, "model.safetensors")
         if model is None:
             raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no model.safetensors")

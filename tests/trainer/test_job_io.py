@@ -15,7 +15,7 @@ from trainer.job_io import OutputFolder, fetch_input
 def _node_workdir(monkeypatch, node_dir) -> str:
     """The job's workdir as a rank on that node sees it (JobSpec.on_this_node under the local launcher)."""
     monkeypatch.setenv(NODE_DIR_ENV, str(node_dir))
-    spec = JobSpec(job_id="j", config={}, output="unused", workdir="/orchestrator/jobs/j")
+    spec = JobSpec(job_id="j", stage="pretrain", config={}, output="unused", workdir="/orchestrator/jobs/j")
     return spec.on_this_node().workdir
 
 
