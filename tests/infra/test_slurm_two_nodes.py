@@ -141,7 +141,8 @@ def _check_two_node_run(nodes, launcher, job, spec, s3_endpoint, scratch, tmp_pa
     # No working state on a path both nodes use: each node fetched the tokens into its own scratch
     # dir, and the submit-side workdir holds only the script and the log.
     for node, folder in scratch.items():
-        assert sorted(p.name for p in (folder / "inputs" / "tokens").iterdir()) == ["train", "val"], node
+        (cache,) = [p for p in (folder / "cache").glob("tokens-*") if p.is_dir()]  # beside its lock file
+        assert sorted(p.name for p in cache.iterdir()) == ["train", "val"], node
     assert sorted(p.name for p in Path(spec.workdir).iterdir()) == ["logs"]
 
     # The same losses, step by step, as one process: dp's tolerance in tests/trainer/test_ddp.py.
