@@ -145,11 +145,12 @@ def commit_artifact(
     inputs: dict[str, str] | None = None,
     started_at: float | None = None,
     extra: dict | None = None,
+    with_store_files: bool = False,
 ) -> Artifact:
-    """Upload `local_dir` and commit it with `manifest.json`, written last. Files already under the
-    artifact's prefix in the store (what a training job wrote there straight from its nodes:
-    checkpoints, metrics.jsonl, result.json) are committed too, described by the store's size and
-    sha256; a local file of the same name replaces the store's.
+    """Upload `local_dir` and commit it with `manifest.json`, written last. `with_store_files`: files
+    already under the artifact's prefix in the store (what a training job wrote there straight from
+    its nodes: checkpoints, metrics.jsonl, result.json) are committed too, described by the store's
+    size and sha256; a local file of the same name replaces the store's.
 
     Re-committing a fingerprint (a forced re-run) first removes the old manifest, so the folder is
     invisible while its files are replaced and a crash half way never leaves a manifest describing
@@ -167,7 +168,7 @@ def commit_artifact(
             continue  # ours is written last; a stage's own top-level manifest.json would be overwritten
         files[name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
         store.put_file(path, f"{prefix}/{name}")
-    for key in store.list(prefix):
+    for key in store.list(prefix) if with_store_files else []:
         name = key[len(prefix) + 1:]
         if name and name != MANIFEST and name not in files:
             files[name] = _describe(store, key)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 from infra.config import LifecycleConfig
 from infra.workspace import Workspace
@@ -41,8 +40,3 @@ class StageContext:
         if self.out_uri is None:
             return str(Path(self.out_dir, *sub).resolve())
         return "/".join([self.out_uri.rstrip("/"), *sub])
-
-    def remote_output(self) -> bool:
-        """True when the artifact's store is not a local folder (its files must be read through the store)."""
-        return self.out_uri is not None and urlparse(self.out_uri).scheme not in ("", "file")
-

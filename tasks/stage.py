@@ -14,7 +14,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.artifacts import Artifact, artifact_prefix, code_version, commit_artifact, find_artifact, fingerprint, latest_artifact
+from infra.artifacts import (Artifact, artifact_prefix, code_version, commit_artifact, find_artifact, fingerprint,
+                             latest_artifact)
 from infra.config import LifecycleConfig
 from infra.store import FileStore
 from infra.tracking import Tracker, flatten_params
@@ -141,13 +142,13 @@ def execute_stage(
     tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
     out_dir = ws.workdir / "staging" / stage / fp
     prefix = artifact_prefix(ws.experiment, stage, fp)
-    if existing is not None or not spec.trains:
-        # A forced re-run starts afresh; a stage that trains nothing never resumes. Leftovers of a failed
-        # attempt, here and in the store, are never committed.
-        shutil.rmtree(out_dir, ignore_errors=True)
-        ws.store.delete(prefix)
+    if not spec.trains:
+        shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
     # A training stage keeps its job's output in the store across attempts: the job resumes from its
-    # latest committed checkpoint there (same fingerprint, same config), which is what a task retry is for.
+    # latest committed checkpoint there (same fingerprint, same config), which is what a task retry is
+    # for. A forced re-run of a committed one starts afresh: its job writes where the old artifact is.
+    if spec.trains and existing is not None:
+        ws.store.delete(prefix)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
         cfg=cfg,
@@ -180,7 +181,7 @@ def execute_stage(
 
         drop_uncommitted(ws.store, prefix)  # a killed attempt's half-written checkpoints are not part of it
     art = commit_artifact(
-        ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg),
+        ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg), with_store_files=spec.trains,
         inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
         extra={"summary": summary, "mlflow_run_id": run_id, "input_uris": {k: v.uri for k, v in inputs.items()}},
     )

@@ -174,6 +174,7 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
         tracker.set_tags(run_id, {"proxy.status": status})
         ws.store.delete(f"{prefix}/checkpoints")  # proxies are measured, never resumed from
         art = commit_artifact(ws.store, ws.experiment, PROXY_STAGE, fp, out_dir, config=proxy_section(cfg, point),
+                              with_store_files=True,  # what the job wrote to the store
                               inputs={"tokens": job.tokens_fingerprint}, started_at=started,
                               extra={"summary": summary, "mlflow_run_id": run_id, "point": point.as_dict()})
         tracker.set_tags(run_id, {"artifact_uri": art.uri})

@@ -131,7 +131,8 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
         replay_metrics(spec, ctx.log_metrics)  # when the job's nodes could not reach the tracking store
         model = fetch_output_file(spec, "model.safetensors")
         if model is None:
-            raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no model.safetensors")
+            raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no "
+                                    "model.safetensors")
         sd = load_upstream(model.parent)
         after = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-after", cfg.seed)
         summary.update({"steps": result.steps, "samples_after": after["samples"],

@@ -227,8 +227,10 @@ def test_commit_takes_in_what_a_job_wrote_to_the_store(store, tmp_path):
     store.put_bytes(b"old", f"{prefix}/summary.json")
     assert drop_uncommitted(store, prefix) == [f"{prefix}/checkpoints/step_00000008", f"{prefix}/sft/checkpoints/step_00000002"]
 
-    art = commit_artifact(store, "exp", "pretrain", "0123456789abcdef", make_dir(tmp_path / "local", {"summary.json": b"new"}),
-                          config={})
+    local = make_dir(tmp_path / "local", {"summary.json": b"new"})
+    only_local = commit_artifact(store, "exp", "pretrain", "0123456789abcdef", local, config={})
+    assert sorted(only_local.files) == ["summary.json"]  # a stage that trains nothing: its folder only
+    art = commit_artifact(store, "exp", "pretrain", "0123456789abcdef", local, config={}, with_store_files=True)
     assert sorted(art.files) == ["checkpoints/step_00000004/__0_0.distcp", "checkpoints/step_00000004/manifest.json",
                                  "metrics.jsonl", "summary.json"]
     assert art.files["metrics.jsonl"] == {"sha256": hashlib.sha256(b'{"step": 1}\n').hexdigest(), "size": 12}
