@@ -201,10 +201,12 @@ def test_ctrl_c_leaves_no_training_process_behind(micro_run):
     import time
 
     import psutil
+    from prefect.settings import PREFECT_API_URL
 
     work, _, _ = micro_run
     env = {**os.environ, "EIGHTFOLD_WORKDIR": str(work)}
-    env.pop("PREFECT_API_URL", None)
+    # the session's Prefect server (the harness's): the CLI need not start a temporary one of its own
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     cmd = [sys.executable, "-m", "flows.cli", "stage", "pretrain", CONFIG, "--set", "pretrain.steps=100000",
            "--set", "infra.health_check=false"]
     # its own process group, like a shell's foreground job: Ctrl-C goes to the whole group
