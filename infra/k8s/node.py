@@ -11,8 +11,9 @@ its PID 1 ends, the kernel kills every process of the namespace, whatever sessio
 - exactly its env: env (value, fieldRef, secretKeyRef, configMapKeyRef), envFrom, $(VAR) expansion in
   command and args, over the "image's" env (this machine's Python first on PATH, the project on
   PYTHONPATH: the image is this checkout);
-- /tmp, /var/tmp, /home and /root empty (its own tmpfs), unless they hold the project or its Python:
-  a pod cannot see the test's or the orchestrator's local files, only the object store, as on a cluster;
+- /tmp, /var/tmp, /home and /root empty (its own tmpfs) but for the project and its Python inside them
+  (the "image", mounted back at their paths): a pod cannot see the test's or the orchestrator's local
+  files, only the object store, as on a cluster;
 - its init containers first, in order (each in namespaces of its own, sharing the pod's volumes);
 - SIGTERM to its PID 1 on deletion, SIGKILL to the namespace after the grace period.
 Its phase, container states, exit codes and restarts go back through pods/NAME/status; its output
@@ -67,13 +68,29 @@ def default_image_env() -> dict[str, str]:
             "HOME": "/root", "LANG": "C.UTF-8", "PYTHONPATH": str(PROJECT_ROOT)}  # fmt: skip
 
 
-def private_dirs() -> list[Path]:
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/home", "/root")
+# Where the "image" (the project, its Python) is held while a private folder above it is emptied; a
+# folder of this machine's that no pod's private folder covers.
+HOLD_ROOT = Path("/run/eightfold-standin")
+
+
+def image_paths() -> list[Path]:
+    """What the "image" is made of: the project and its Python (the outermost folders only)."""
+    paths = {PROJECT_ROOT.resolve(), Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+             Path(sys.executable).resolve().parent}  # fmt: skip
+    return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
+
+
+def private_dirs() -> list[tuple[Path, list[Path]]]:
     """Folders each pod gets empty (a tmpfs of its own), as a container's image would not have this
-    machine's: where tests, workspaces and local stores live. Those that hold the project or its
-    Python (the "image") stay visible."""
-    image = [PROJECT_ROOT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve()]
-    return [d for d in map(Path, ("/tmp", "/var/tmp", "/home", "/root"))
-            if d.is_dir() and not any(p == d or d in p.parents for p in image)]  # fmt: skip
+    machine's: where tests, workspaces and local stores live; each with the parts of the image inside
+    it, which the pod sees again at their own paths (a checkout under /tmp stays runnable, the rest of
+    /tmp does not show)."""
+    out = []
+    for d in map(Path, PRIVATE_DIRS):
+        if d.is_dir():
+            out.append((d, [p for p in image_paths() if d == p or d in p.parents]))
+    return out
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
@@ -288,9 +305,18 @@ class NodeAgent:
             if m.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {q(m['mountPath'])}")
         mount_paths = [Path(m["mountPath"]) for m in container.get("volumeMounts") or []]
-        for private in private_dirs():
-            if not any(p == private or private in p.parents for p in mount_paths):
-                lines.append(f"mount -t tmpfs tmpfs {q(str(private))}")
+        for private, keep in private_dirs():
+            if any(p == private or private in p.parents for p in mount_paths) or private in keep:
+                continue
+            holds = []
+            for i, path in enumerate(keep):  # held aside, then mounted back into the empty folder
+                hold = HOLD_ROOT / pod["metadata"]["uid"] / f"{private.name}-{i}"
+                self._mount_point(str(hold))
+                lines.append(f"mount --bind {q(str(path))} {q(str(hold))}")
+                holds.append((hold, path))
+            lines.append(f"mount -t tmpfs tmpfs {q(str(private))}")
+            for hold, path in holds:
+                lines.append(f"mkdir -p {q(str(path))} && mount --bind {q(str(hold))} {q(str(path))}")
         workdir = container.get("workingDir") or "/"
         argv = [_expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not argv:
