@@ -131,12 +131,14 @@ def test_ctrl_c_in_the_stage_cancels_the_job_and_kills_every_rank(k8s_cluster, c
                                                                   monkeypatch):  # fmt: skip
     """The pretrain stage's own launch-and-wait, interrupted as by Ctrl-C once both pods run (a plain
     Indexed Job + headless Service; rank 1 ignores SIGTERM): the Job, its pods, Service and ConfigMap
-    and every rank's process are gone before the interrupt reaches the caller."""
-    import _thread
-    import threading
+    and every rank's process are gone before the interrupt reaches the caller. The KeyboardInterrupt
+    is raised from the job's wait, where Ctrl-C finds the task, rather than by a simulated signal: what
+    an earlier test left as SIGINT's handler cannot change the outcome (the CLI's real Ctrl-C is
+    tests/flows/test_full_lifecycle.py's)."""
     from types import SimpleNamespace
 
     import stages.pretrain as pretrain
+    from infra.launch.kubernetes import KubernetesJob
 
     cfg, spec = _job(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "job", "sleep")
     spec = spec.model_copy(update={"resume": "none"})  # a fresh job: no earlier attempts to learn from
@@ -145,18 +147,17 @@ def test_ctrl_c_in_the_stage_cancels_the_job_and_kills_every_rank(k8s_cluster, c
     log = Path(spec.workdir) / "logs" / f"{spec.job_id}.log"
     interrupted = []
 
-    def interrupt_once_running() -> None:
+    def wait_then_ctrl_c(job, timeout=None, poll_s=None):
         deadline = time.monotonic() + 90
         # Two torchrun agents and their two ranks, and the first pod's output followed while it runs.
         while len(_processes_of(spec.job_id)) < 4 or not log.exists() or "mode sleep" not in log.read_text():
-            if time.monotonic() > deadline:
-                break
+            assert job.poll() in ("pending", "running") and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         assert core.read_namespaced_service(name, "default").spec.cluster_ip == "None"
         interrupted.append(time.monotonic())
-        _thread.interrupt_main()
+        raise KeyboardInterrupt
 
-    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    monkeypatch.setattr(KubernetesJob, "wait", wait_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         pretrain.launch_and_wait(SimpleNamespace(cfg=cfg), spec)
     took = time.monotonic() - interrupted[0]
