@@ -41,7 +41,8 @@ from infra.workspace import Workspace
 from trainer.checkpoint import committed_steps
 
 AUDIT_ENV = "EIGHTFOLD_AUDIT_WRITES"  # trainer/audit.py
-# fp32 on CPU, dp2 -> dp1 after the resume: measured |rel diff| of the final loss ~1e-7 (see the test)
+# dp2 -> dp1 after the resume changes the order gradients are summed in, so bit-equality is not promised
+# (the test model in fp32 on CPU happened to end bit-equal); 1e-4 relative leaves room for that order.
 ELASTIC_RTOL = 1e-4
 
 
@@ -62,7 +63,8 @@ def _drill_config(cfg: LifecycleConfig, nnodes: int) -> LifecycleConfig:
 def _spec(cfg: LifecycleConfig, ws: Workspace, tokens_uri: str, drill_id: str, name: str) -> JobSpec:
     job_id = f"drill-{drill_id}-{name}"
     return JobSpec(job_id=job_id, stage="drill/node-loss", section="pretrain", config=cfg.model_dump(mode="json"),
-                   inputs={"tokens": tokens_uri}, output=ws.store.url(f"{ws.experiment}/drills/node-loss/{drill_id}/{name}"),
+                   inputs={"tokens": tokens_uri},
+                   output=ws.store.url(f"{ws.experiment}/drills/node-loss/{drill_id}/{name}"),
                    workdir=str(ws.path("jobs", job_id)), resume="latest")
 
 
@@ -183,15 +185,14 @@ def _writes(audit: Path, store) -> dict[str, set[str]]:
 
 
 def _final_weights(spec: JobSpec, ws: Workspace) -> dict:
-    """The model weights of the job's newest committed checkpoint, read from the store."""
-    from infra.store import join_key
+    """The model weights of the job's newest committed checkpoint, every file checked against its
+    manifest on the way (trainer.checkpoint.fetch_verified)."""
     from stages.export.merge import find_checkpoint, load_full_state_dict
-    from trainer.checkpoint import ROOT, step_dir
+    from trainer.checkpoint import fetch_verified, read_manifest
 
     store = open_store(spec.output, endpoint_url=ws.s3_endpoint_url)
-    local = Path(spec.workdir) / "final-checkpoint"
-    store.get_dir(join_key(ROOT, step_dir(committed_steps(store)[0])), local)
-    return load_full_state_dict(find_checkpoint(local))
+    ckpt = read_manifest(store, committed_steps(store)[0])
+    return load_full_state_dict(find_checkpoint(fetch_verified(store, ckpt, Path(spec.workdir) / "final-checkpoint")))
 
 
 def node_loss(cfg: LifecycleConfig, tokens_uri: str, *, elastic: bool | None = None, seed: int | None = None,
@@ -259,7 +260,8 @@ def node_loss(cfg: LifecycleConfig, tokens_uri: str, *, elastic: bool | None = N
             nodes_of.setdefault(path, set()).add(node)
     shared = {path for path, by in nodes_of.items() if len(by) > 1}
     return {
-        "launcher": cluster.name, "nodes": 2, "elastic": elastic, "lost_node": lost, "killed_at_step": done,
+        "launcher": cluster.name, "nodes": two.parallel.nnodes, "elastic": elastic, "lost_node": lost,
+        "killed_at_step": done,
         "resumed_from_step": resumed_from, "resumed_on_nodes": retry_cfg.parallel.nnodes,
         "checkpoint_uri": final.checkpoint, "lost_steps": done - resumed_from,
         "restart_s": round(final.metrics.get("restart_s", float("nan")), 3), "final_loss": loss,

@@ -88,8 +88,7 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
         if spec.attempt:
             ctx.log_metrics({"task.attempt": float(spec.attempt), "task.lr_scale": spec.lr_scale}, None)
     # the job's own config: an elastic retry may run on fewer nodes than the stage's config says
-    launcher = get_launcher(ctx.cfg if spec.config == ctx.cfg.model_dump(mode="json")
-                            else type(ctx.cfg).model_validate(spec.config))
+    launcher = get_launcher(type(ctx.cfg).model_validate(spec.config))
     job_file = spec.write(Path(spec.workdir) / "job.yaml")
     handle = launcher.submit(spec, job_file)
     try:

@@ -26,8 +26,10 @@ def install() -> None:
     if not folder:
         return
     os.makedirs(folder, exist_ok=True)
-    # the local launcher's simulated node (its folder), Slurm's node name, else the host
-    node = os.environ.get("EIGHTFOLD_NODE_DIR") or os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    from infra.health import node_name
+    from infra.launch.job import NODE_DIR_ENV
+
+    node = os.environ.get(NODE_DIR_ENV) or node_name()  # the local launcher's simulated node, else the scheduler's
     out = open(os.path.join(folder, f"{os.path.basename(node)}-{os.getpid()}.jsonl"), "a", buffering=1)
     seen: set[str] = set()
     lock = threading.Lock()

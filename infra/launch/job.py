@@ -69,7 +69,8 @@ class JobSpec(BaseModel):
         if os.environ.get(NODE_DIR_ENV):
             return self.model_copy(update={"workdir": os.environ[NODE_DIR_ENV]})
         if os.environ.get(NODE_SCRATCH_ENV):
-            return self.model_copy(update={"workdir": str(Path(os.environ[NODE_SCRATCH_ENV]) / "eightfold-jobs" / self.job_id)})
+            scratch = Path(os.environ[NODE_SCRATCH_ENV]) / "eightfold-jobs" / self.job_id
+            return self.model_copy(update={"workdir": str(scratch)})
         return self
 
 
