@@ -64,12 +64,15 @@ class LocalJob:
     """A running torchrun job: one agent per simulated node, each with its ranks in its own process
     group (a process cannot join a group of another session, so each agent leads one)."""
 
+    peer_grace_s = 10.0  # after a node fails, how long its peers may take to end on SIGTERM
+
     def __init__(self, job_id: str, procs: list[subprocess.Popen], log_path: Path, echo: bool):
         self.job_id = job_id
         self.log_path = log_path
         self.pgids = [p.pid for p in procs]  # each agent leads its own session and process group
         self._procs = procs
         self._cancelled = False
+        self._failed_code: int | None = None  # the first failed node's exit code, once its peers are ended
         self._done = threading.Event()
         self._echo = None
         _LIVE.add(self)
@@ -82,13 +85,29 @@ class LocalJob:
         return [p.pid for p in self._procs]
 
     def _exit_code(self) -> int | None:
+        if self._failed_code is not None:
+            return self._failed_code if all(p.poll() is not None for p in self._procs) else None
         codes = [p.poll() for p in self._procs]
         if any(c is None for c in codes):
             return None
         return next((c for c in codes if c != 0), 0)
 
+    def _end_if_a_node_failed(self) -> bool:
+        """A node whose agent failed ends the job, as Slurm's --kill-on-bad-exit does: its peers'
+        agents cannot know (the static rendezvous is done) and their ranks could wait for it in a
+        store or a collective; they are terminated and the job fails with the first failed node's code."""
+        if self._failed_code is None:
+            failed = [c for c in (p.poll() for p in self._procs) if c not in (None, 0)]
+            if not failed or all(p.poll() is not None for p in self._procs):
+                return False
+            self._failed_code = failed[0]
+            self._terminate(grace_s=self.peer_grace_s)
+        return True
+
     def poll(self) -> JobState:
         code = self._exit_code()
+        if code is None and self._end_if_a_node_failed():
+            code = self._exit_code()
         if code is None:
             return "running"
         self._finish()
@@ -97,13 +116,12 @@ class LocalJob:
         return "succeeded" if code == 0 else "failed"
 
     def wait(self, timeout: float | None = None) -> int:
+        """Until every node's agent has exited; the job's exit code. A failed node ends the job."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for p in self._procs:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                p.wait(left)
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"job {self.job_id} still running after {timeout} s (log: {self.log_path})") from None
+        while self._exit_code() is None and not self._end_if_a_node_failed():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} still running after {timeout} s (log: {self.log_path})")
+            time.sleep(0.2)
         self._finish()
         return self._exit_code()
 
@@ -125,7 +143,11 @@ class LocalJob:
     def cancel(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the whole group, SIGKILL after `grace_s`; returns when nothing of the job runs."""
         self._cancelled = True
-        if self._exit_code() is not None:
+        self._terminate(grace_s)
+
+    def _terminate(self, grace_s: float) -> None:
+        """SIGTERM to every node's group, SIGKILL after `grace_s`; returns when nothing of the job runs."""
+        if all(p.poll() is not None for p in self._procs):
             self._finish()
             return
         # Remember every descendant too: a rank that started its own session would escape killpg.

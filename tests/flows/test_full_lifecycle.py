@@ -48,8 +48,20 @@ def micro_run(tmp_path_factory, prefect_harness, s3_endpoint):
         mp.setenv("EIGHTFOLD_AUDIT_WRITES", str(audit))  # trainer/audit.py: every rank's writes
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.delenv("PREFECT_API_URL", raising=False)
-        first = lifecycle(config=CONFIG)
+        try:
+            first = lifecycle(config=CONFIG)
+        except BaseException:
+            _print_job_logs(work)
+            raise
         yield work, first, audit
+
+
+def _print_job_logs(work: Path) -> None:
+    """The last lines of every training job's log (each node's and the launcher's): what CI shows of a
+    failed lifecycle."""
+    for log in sorted(work.rglob("logs/*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-30:]
+        print(f"--- {log.relative_to(work)} (last {len(lines)} lines) ---", *lines, sep="\n")
 
 
 def _ws() -> Workspace:

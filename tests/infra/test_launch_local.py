@@ -125,3 +125,23 @@ def test_two_local_nodes_static_rendezvous(tmp_path):
     job = launcher.submit(spec, job_file)
     assert job.wait(timeout=120) == 0, job.log_path.read_text()
     assert launcher.result(spec).metrics == {"allreduce_sum": 3.0, "world_size": 2.0}
+
+
+def test_a_failed_node_ends_the_job_on_every_node(tmp_path):
+    """Node 1's rank exits 3 while node 0's would sleep 120 s: node 0's agent cannot know (the
+    rendezvous is over), so the launcher ends it, as Slurm's --kill-on-bad-exit does."""
+    spec, job_file = _spec(tmp_path, "fail")
+    job = LocalLauncher(nproc_per_node=1, nnodes=2, module=PROBE).submit(spec, job_file)
+    deadline = time.monotonic() + 90
+    while "rank 0/2 mode fail" not in (job.log_path.read_text() if job.log_path.exists() else ""):
+        assert time.monotonic() < deadline, "rank 0 did not start"
+        time.sleep(0.2)
+    agent = psutil.Process(job.pids[0])
+    node0 = [agent, *agent.children(recursive=True)]
+    start = time.monotonic()
+    assert job.wait(timeout=100) not in (0, None)
+    assert time.monotonic() - start < 60, "node 0 slept on after node 1 failed"
+    assert job.poll() == "failed"
+    assert "rank 1 failing on purpose" in job.log_path.read_text()
+    survivors = [p for p in node0 if not _gone(p)]
+    assert not survivors, f"still running: {[(p.pid, p.name()) for p in survivors]}"
