@@ -81,6 +81,8 @@ class ServeConfig(Section):
                          f"or a variant in export.variants that vLLM loads ({', '.join(VLLM_VARIANTS[1:])})")
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="KV cache dtype, in vllm.yaml "
                                                    "(--kv-cache-dtype) and the load test's engine; fp8 halves it")
+    enforce_eager: bool = Field(False, description="vLLM's --enforce-eager, in vllm.yaml and the load test's server: "
+                                "no compiled step (no CUDA graphs on GPU), so no start-up compile")
     canary: CanaryConfig | None = Field(None, description="deploy this export as a canary on a share of traffic; "
                                                           "absent: one Deployment")
 

@@ -154,6 +154,8 @@ class VLLMDeployment:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     """"auto" or "fp8" (halves the KV cache)."""
+    enforce_eager: bool = False
+    """vLLM's --enforce-eager: no CUDA graphs or compiled step."""
     api_key_secret: str | None = None
     """Name of a Secret with key `api-key`; vLLM then requires `Authorization: Bearer ...`."""
     s3_endpoint_url: str | None = None
@@ -245,6 +247,8 @@ def _render_one(d: VLLMDeployment) -> list[dict[str, Any]]:
             "--kv-cache-dtype", d.kv_cache_dtype]
     if d.enable_prefix_caching:
         args.append("--enable-prefix-caching")
+    if d.enforce_eager:
+        args.append("--enforce-eager")
     if d.max_model_len:
         args += ["--max-model-len", str(d.max_model_len)]
     args += d.extra_args
@@ -435,7 +439,7 @@ def from_lifecycle_config(cfg, model_uri: str, stable_model_uri: str | None = No
     """Tensor parallel size from the config's `parallel.tp` (the layout the model was trained with
     fits its heads: n_heads and n_kv_heads divide by it, as vLLM requires); autoscaling and the
     SLO alerts from `serve.autoscale`, `serve.slo_ttft_ms`, `serve.slo_tpot_ms`; `--kv-cache-dtype`
-    from `serve.kv_cache_dtype`. `model_uri` is the export's folder being deployed (the caller picks
+    from `serve.kv_cache_dtype`; `--enforce-eager` from `serve.enforce_eager`. `model_uri` is the export's folder being deployed (the caller picks
     `serve.variant`'s). With `serve.canary` it becomes the canary and the stable Deployment serves
     `stable_model_uri` (given, or `serve.canary.stable_model_uri` unless that is "previous", which
     only the caller can resolve)."""
@@ -444,7 +448,8 @@ def from_lifecycle_config(cfg, model_uri: str, stable_model_uri: str | None = No
     kw = {"name": name, "model_uri": model_uri, "tensor_parallel_size": cfg.parallel.tp,
           "max_model_len": cfg.model.max_seq_len, "s3_endpoint_url": cfg.infra.s3_endpoint_url,
           "autoscaling": Autoscaling(**sc.autoscale.model_dump()) if sc.autoscale else None,
-          "slo_ttft_ms": sc.slo_ttft_ms, "slo_tpot_ms": sc.slo_tpot_ms, "kv_cache_dtype": sc.kv_cache_dtype}
+          "slo_ttft_ms": sc.slo_ttft_ms, "slo_tpot_ms": sc.slo_tpot_ms, "kv_cache_dtype": sc.kv_cache_dtype,
+          "enforce_eager": sc.enforce_eager}
     if sc.canary:
         stable = stable_model_uri or (None if sc.canary.stable_model_uri == "previous" else sc.canary.stable_model_uri)
         if not stable:

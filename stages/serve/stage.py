@@ -135,6 +135,8 @@ def load_test(model_dir: Path, sc, seed: int, tokenizer_dir: Path | None = None)
     input_len, output_len = max(1, int(sc.load_input_len * fit)), max(1, int(sc.load_output_len * fit))
     reqs = make_requests(tokenizer, sc.load_requests, input_len, output_len, 0.25, seed)
     kv = {"kv_cache_dtype": sc.kv_cache_dtype} if sc.kv_cache_dtype != "auto" else {}
+    if sc.enforce_eager:
+        kv["enforce_eager"] = True
     # start-up compiles the decode step for every batch size: minutes on a loaded 2-core machine, so no
     # short deadline (a server that dies is seen at once); the lifecycle must not fail on a slow machine
     proc, url = start_server_process(str(model_dir), sc.threads, timeout=1800.0, **kv)
@@ -196,7 +198,8 @@ def run(ctx) -> dict[str, Any]:
             if load else None,
             "load": load, "deployed": deployed,
             "serve_locally": f"eightfold serve {served_dir}"
-                             + (" --kv-cache-dtype fp8" if sc.kv_cache_dtype == "fp8" else ""),
+                             + (" --kv-cache-dtype fp8" if sc.kv_cache_dtype == "fp8" else "")
+                             + (" --enforce-eager" if sc.enforce_eager else ""),
             "kubernetes": "kubectl apply -f vllm.yaml", "manifests": sorted(manifests)}
     (out / "serve.json").write_text(json.dumps(card, indent=2))
     figures: dict[str, Any] = {"matches_hf": smoke["matches_hf"], "kv_bytes_per_token": smoke["kv_bytes_per_token"],

@@ -166,12 +166,13 @@ def _canary_config(*more):
 def test_variant_uri_and_kv_cache_dtype_reach_the_container():
     from infra.config import load_config
 
-    cfg = load_config("configs/tiny.yaml", ["serve.variant=int8", "serve.kv_cache_dtype=fp8"])
+    cfg = load_config("configs/tiny.yaml", ["serve.variant=int8", "serve.kv_cache_dtype=fp8", "serve.enforce_eager=true"])
     d = from_lifecycle_config(cfg, "s3://artifacts/tiny/export/abc123/quantized/int8")
     dep = _by_kind(render_yaml(d))["Deployment"]
     pod = dep["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"  # from serve.kv_cache_dtype, no override
+    assert "--enforce-eager" in args  # from serve.enforce_eager
     # the init container syncs the variant's folder to where --model points
     sync = pod["initContainers"][0]["command"]
     assert sync[3:5] == ["s3://artifacts/tiny/export/abc123/quantized/int8/", "/models/int8/"]
@@ -179,7 +180,7 @@ def test_variant_uri_and_kv_cache_dtype_reach_the_container():
     # the default stays the unquantized hf/ and the model's own KV dtype
     d0 = from_lifecycle_config(load_config("configs/tiny.yaml"), "/data/export/hf")
     args0 = _by_kind(render_yaml(d0))["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args0[args0.index("--kv-cache-dtype") + 1] == "auto"
+    assert args0[args0.index("--kv-cache-dtype") + 1] == "auto" and "--enforce-eager" not in args0
     assert args0[args0.index("--model") + 1] == "/data/export/hf"
 
 
