@@ -52,13 +52,12 @@ def lifecycle(
     forced = set().union(*(downstream(s) for s in (force or []))) if force else set()
 
     tracker = Tracker.for_workspace(ws)
-    parent = tracker.start_run(
+    refs: dict[str, ArtifactRef] = {}
+    with tracker.run(
         f"lifecycle-{flow_run.get_name() or 'local'}",
         tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "config": str(config), "kind": "lifecycle"},
-    )
-    tracker.log_params(parent, flatten_params(cfg.model_dump(mode="json")))
-    refs: dict[str, ArtifactRef] = {}
-    try:
+    ) as parent:
+        tracker.log_params(parent, flatten_params(cfg.model_dump(mode="json")))
         for stage in selected:
             spec = STAGES[stage]
             if any(i not in refs for i in spec.inputs):  # upstream not selected: use its latest artifact
@@ -73,10 +72,6 @@ def lifecycle(
                                       f"stage.{stage}.status": "cached" if refs[stage].cached else "ran"})
             if stage == "pretrain":
                 log_prediction(tracker, parent, refs[stage].summary)  # predicted vs actual final val loss
-        tracker.end_run(parent)
-    except BaseException:
-        tracker.end_run(parent, status="FAILED")
-        raise
     logger.info("lifecycle finished: %s", ", ".join(f"{k}={'cached' if v.cached else 'ran'}" for k, v in refs.items()))
     return {k: v.__dict__ for k, v in refs.items()}
 
@@ -97,11 +92,6 @@ def run_single_stage(
     if STAGES[stage].trains and cfg.infra.health_check and (force or not is_committed(cfg, stage, upstream)):
         health_task(config, overrides or [])
     tracker = Tracker.for_workspace(ws)
-    parent = tracker.start_run(f"stage-{stage}", tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "kind": "stage"})
-    try:
+    with tracker.run(f"stage-{stage}", tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "kind": "stage"}) as parent:
         ref = submit_stage(cfg, stage, upstream, parent_run_id=parent, force=force)
-    except BaseException:
-        tracker.end_run(parent, status="FAILED")
-        raise
-    tracker.end_run(parent)
     return ref.__dict__

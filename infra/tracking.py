@@ -174,6 +174,21 @@ class Tracker:
 
     # --- context managers ------------------------------------------------------------------------
     @contextmanager
+    def run(self, name: str, parent_run_id: str | None = None, tags: Mapping[str, Any] | None = None) -> Iterator[str]:
+        """A run that always ends: FINISHED when the body returns, KILLED on Ctrl-C, FAILED on any
+        other exception, wherever it is raised (so no run a stage, flow or sweep opens stays RUNNING)."""
+        run_id = self.start_run(name, parent_run_id, tags)
+        try:
+            yield run_id
+        except KeyboardInterrupt:
+            self.end_run(run_id, "KILLED")
+            raise
+        except BaseException:
+            self.end_run(run_id, "FAILED")
+            raise
+        self.end_run(run_id, "FINISHED")
+
+    @contextmanager
     def lifecycle_run(
         self, name: str, tags: Mapping[str, Any] | None = None, flow_run_id: str | None = None
     ) -> Iterator[str]:
@@ -181,8 +196,7 @@ class Tracker:
         tags = dict(tags or {})
         if flow_run_id:
             tags[FLOW_RUN_TAG] = flow_run_id
-        run_id = self.start_run(name, tags=tags)
-        with self._ending(run_id):
+        with self.run(name, tags=tags) as run_id:
             yield run_id
 
     @contextmanager
@@ -195,23 +209,10 @@ class Tracker:
         tags: Mapping[str, Any] | None = None,
     ) -> Iterator[str]:
         """A nested run for one stage under the lifecycle run, tagged with stage and fingerprint."""
-        run_id = self.start_run(stage, parent_run_id, {"stage": stage, "fingerprint": fingerprint, **(tags or {})})
-        with self._ending(run_id):
+        with self.run(stage, parent_run_id, {"stage": stage, "fingerprint": fingerprint, **(tags or {})}) as run_id:
             if params:
                 self.log_params(run_id, params)
             yield run_id
-
-    @contextmanager
-    def _ending(self, run_id: str) -> Iterator[None]:
-        try:
-            yield
-        except KeyboardInterrupt:
-            self.end_run(run_id, "KILLED")
-            raise
-        except BaseException:
-            self.end_run(run_id, "FAILED")
-            raise
-        self.end_run(run_id, "FINISHED")
 
 
 def _user() -> str:

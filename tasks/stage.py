@@ -138,55 +138,54 @@ def execute_stage(
         return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
 
     tracker = Tracker.for_workspace(ws)
-    run_id = tracker.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp})
-    tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
     out_dir = ws.workdir / "staging" / stage / fp
     prefix = artifact_prefix(ws.experiment, stage, fp)
-    if not spec.trains:
-        shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
-    # A training stage keeps its job's output in the store across attempts: the job resumes from its
-    # latest committed checkpoint there (same fingerprint, same config), which is what a task retry is
-    # for. A forced re-run of a committed one starts afresh: its job writes where the old artifact is.
-    if spec.trains and existing is not None:
-        ws.store.delete(prefix)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(
-        cfg=cfg,
-        workspace=ws,
-        out_dir=out_dir,
-        out_uri=ws.store.url(prefix),
-        inputs=_local_inputs(ws, inputs),
-        input_uris={k: v.uri for k, v in inputs.items()},
-        run_id=run_id,
-        log_metrics=lambda m, step=None: tracker.log_metrics(run_id, m, step=step),
-        log_params=lambda p: tracker.log_params(run_id, flatten_params(p)),
-        log_artifact=lambda path: tracker.log_artifact(run_id, str(path)),
-    )
     started = time.time()
-    log(f"{stage}: running (fingerprint {fp})")
-    try:
-        summary = spec.load()(ctx) or {}
-        _maybe_inject_fault(stage)
-    except BaseException:
-        tracker.end_run(run_id, status="FAILED")
-        if not spec.trains:  # a failed attempt's output is never committed: gone now, not at the next attempt
-            shutil.rmtree(out_dir, ignore_errors=True)
-        raise
-    numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if numeric:
-        # At the job's last step, so a training stage's final figures don't land at step 0 of its curves.
-        tracker.log_metrics(run_id, numeric, step=int(numeric.get("steps", 0)))
-    if spec.trains:
-        from trainer.checkpoint import drop_uncommitted
+    # the run ends FAILED on any error from here on: params, the inputs' download, the commit too
+    with tracker.run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp}) as run_id:
+        tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
+        if not spec.trains:
+            shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
+        # A training stage keeps its job's output in the store across attempts: the job resumes from its
+        # latest committed checkpoint there (same fingerprint, same config), which is what a task retry is
+        # for. A forced re-run of a committed one starts afresh: its job writes where the old artifact is.
+        if spec.trains and existing is not None:
+            ws.store.delete(prefix)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ctx = StageContext(
+            cfg=cfg,
+            workspace=ws,
+            out_dir=out_dir,
+            out_uri=ws.store.url(prefix),
+            inputs=_local_inputs(ws, inputs),
+            input_uris={k: v.uri for k, v in inputs.items()},
+            run_id=run_id,
+            log_metrics=lambda m, step=None: tracker.log_metrics(run_id, m, step=step),
+            log_params=lambda p: tracker.log_params(run_id, flatten_params(p)),
+            log_artifact=lambda path: tracker.log_artifact(run_id, str(path)),
+        )
+        log(f"{stage}: running (fingerprint {fp})")
+        try:
+            summary = spec.load()(ctx) or {}
+            _maybe_inject_fault(stage)
+        except BaseException:
+            if not spec.trains:  # a failed attempt's output is never committed: gone now, not at the next attempt
+                shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+        numeric = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numeric:
+            # At the job's last step, so a training stage's final figures don't land at step 0 of its curves.
+            tracker.log_metrics(run_id, numeric, step=int(numeric.get("steps", 0)))
+        if spec.trains:
+            from trainer.checkpoint import drop_uncommitted
 
-        drop_uncommitted(ws.store, prefix)  # a killed attempt's half-written checkpoints are not part of it
-    art = commit_artifact(
-        ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg), with_store_files=spec.trains,
-        inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
-        extra={"summary": summary, "mlflow_run_id": run_id, "input_uris": {k: v.uri for k, v in inputs.items()}},
-    )
-    tracker.set_tags(run_id, {"artifact_uri": art.uri})
-    tracker.end_run(run_id)
+            drop_uncommitted(ws.store, prefix)  # a killed attempt's half-written checkpoints are not part of it
+        art = commit_artifact(
+            ws.store, ws.experiment, stage, fp, out_dir, config=spec.section(cfg), with_store_files=spec.trains,
+            inputs={k: v.fingerprint for k, v in inputs.items()}, started_at=started,
+            extra={"summary": summary, "mlflow_run_id": run_id, "input_uris": {k: v.uri for k, v in inputs.items()}},
+        )
+        tracker.set_tags(run_id, {"artifact_uri": art.uri})
     shutil.rmtree(out_dir, ignore_errors=True)
     log(f"{stage}: committed {art.uri} in {time.time() - started:.1f}s")
     return ArtifactRef(stage, fp, art.uri, cached=False, summary=summary)

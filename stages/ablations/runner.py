@@ -125,22 +125,21 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
         return _from_artifact(existing, point, started)
 
     tracker = Tracker.for_workspace(ws)
-    run_id = tracker.start_run(f"proxy-{point.name}", parent_run_id=job.parent_run_id,
-                               tags={"stage": PROXY_STAGE, "fingerprint": fp, "proxy.size": point.size})
-    pcfg = proxy_config(cfg, point)
-    out_dir = ws.path("staging", "ablations-proxy", fp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    prefix = artifact_prefix(ws.experiment, PROXY_STAGE, fp)
-    ws.store.delete(prefix)  # a failed earlier attempt's output: proxies never resume
-    job_id = f"proxy-{fp[:8]}-{uuid.uuid4().hex[:6]}"
-    env = {} if cfg.infra.device == "cuda" else {"OMP_NUM_THREADS": str(job.threads)}
-    spec = JobSpec(
-        job_id=job_id, stage=PROXY_STAGE, section="pretrain", config=pcfg.model_dump(mode="json"),
-        inputs={"tokens": job.tokens_uri}, output=ws.store.url(prefix), workdir=str(ws.path("jobs", job_id)),
-        tracking=job_tracking(pcfg, ws.tracking_uri, ws.experiment, run_id), resume="none", env=env,
-    )
-    try:
+    with tracker.run(f"proxy-{point.name}", parent_run_id=job.parent_run_id,
+                     tags={"stage": PROXY_STAGE, "fingerprint": fp, "proxy.size": point.size}) as run_id:
+        pcfg = proxy_config(cfg, point)
+        out_dir = ws.path("staging", "ablations-proxy", fp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        out_dir.mkdir(parents=True)
+        prefix = artifact_prefix(ws.experiment, PROXY_STAGE, fp)
+        ws.store.delete(prefix)  # a failed earlier attempt's output: proxies never resume
+        job_id = f"proxy-{fp[:8]}-{uuid.uuid4().hex[:6]}"
+        env = {} if cfg.infra.device == "cuda" else {"OMP_NUM_THREADS": str(job.threads)}
+        spec = JobSpec(
+            job_id=job_id, stage=PROXY_STAGE, section="pretrain", config=pcfg.model_dump(mode="json"),
+            inputs={"tokens": job.tokens_uri}, output=ws.store.url(prefix), workdir=str(ws.path("jobs", job_id)),
+            tracking=job_tracking(pcfg, ws.tracking_uri, ws.experiment, run_id), resume="none", env=env,
+        )
         tracker.log_params(run_id, {"proxy": {**point.axes, "size": point.size, "params": point.params,
                                               "tokens": point.tokens, "flops": point.flops, "steps": point.train["steps"],
                                               "data_mixture": point.train.get("data_mixture")},
@@ -178,10 +177,6 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
                               inputs={"tokens": job.tokens_fingerprint}, started_at=started,
                               extra={"summary": summary, "mlflow_run_id": run_id, "point": point.as_dict()})
         tracker.set_tags(run_id, {"artifact_uri": art.uri})
-    except BaseException:
-        tracker.end_run(run_id, status="FAILED")
-        raise
-    tracker.end_run(run_id)
     shutil.rmtree(out_dir, ignore_errors=True)
     log(f"proxy {point.name}: {status}, val_loss={val_loss:.4f}")
     return ProxyResult(name=point.name, fingerprint=fp, uri=art.uri, status=status, val_loss=val_loss, loss=loss,

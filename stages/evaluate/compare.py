@@ -97,16 +97,11 @@ def log_variant_runs(tracker, parent_run_id: str, summaries: dict[str, dict[str,
     raw result file. Returns variant -> run id."""
     run_ids = {}
     for variant, s in summaries.items():
-        run_id = tracker.start_run(f"evaluate/{variant}", parent_run_id=parent_run_id,
-                                   tags={"stage": "evaluate", "variant": variant})
-        status = "FAILED"
-        try:
+        with tracker.run(f"evaluate/{variant}", parent_run_id=parent_run_id,
+                         tags={"stage": "evaluate", "variant": variant}) as run_id:
             tracker.log_params(run_id, {"variant": variant, **params.get(variant, {})})
             tracker.log_metrics(run_id, flat_metrics(s))
             if files and variant in files:
                 tracker.log_artifact(run_id, files[variant])
-            status = "FINISHED"
-        finally:
-            tracker.end_run(run_id, status)
         run_ids[variant] = run_id
     return run_ids
