@@ -13,6 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
 
 from infra.artifacts import (Artifact, artifact_prefix, code_version, commit_artifact, find_artifact, fingerprint,
                              latest_artifact)
@@ -216,10 +217,13 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
 
 @task(name="stage", cache_policy=NO_CACHE, retries=0)
 def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None = None,
-               force: bool = False) -> ArtifactRef:
+               force: bool = False) -> ArtifactRef | State:
+    """The stage's artifact; a cache hit ends in a Completed state named `Cached`, as Prefect's own."""
     logger = get_run_logger()
     ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info)
     _publish(cfg, ref)
+    if ref.cached:
+        return Completed(name="Cached", message=f"{stage}: cache hit {ref.uri}", data=ref)
     return ref
 
 
@@ -238,19 +242,24 @@ def worth_retrying(task, task_run, state) -> bool:
 
 def submit_stage(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None,
                  force: bool, retries: int | None = None) -> ArtifactRef:
-    """Run the stage task with its own name and retry policy: training stages retry `infra.retries`
-    times with exponential backoff (each retry resumes the job from its latest committed checkpoint,
-    or rolls it back after a divergence: stages/attempts.py); other stages do not retry."""
+    """Run the stage task with its own name, tags, timeout and retry policy: training stages retry
+    `infra.retries` times with exponential backoff (each retry resumes the job from its latest committed
+    checkpoint, or rolls it back after a divergence: stages/attempts.py); other stages do not retry.
+    `infra.task_timeout_s` bounds each attempt (a timed-out attempt cancels its job and counts as failed)."""
+    trains = STAGES[stage].trains
     if retries is None:
-        retries = cfg.infra.retries if STAGES[stage].trains else 0
+        retries = cfg.infra.retries if trains else 0
     delay = cfg.infra.retry_delay_s
     t = stage_task.with_options(
         name=f"{stage}",
+        tags={"eightfold", f"stage:{stage}", "training" if trains else "no-training"},
+        timeout_seconds=cfg.infra.task_timeout_s.get(stage),
         retries=retries,
         retry_delay_seconds=[delay * 2**i for i in range(retries)] if retries else 0,
         retry_condition_fn=worth_retrying,
     )
-    return t(cfg, stage, inputs, parent_run_id=parent_run_id, force=force)
+    state = t(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, return_state=True)
+    return state.result()  # raises what the last attempt raised
 
 
 def as_dict(ref: Any) -> dict:

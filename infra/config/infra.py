@@ -9,6 +9,10 @@ from pydantic import Field, field_validator
 from .base import Section
 from .launch import KubernetesConfig, SlurmConfig
 
+# The lifecycle's tasks, as stages/registry.py names them (a test keeps the two lists equal).
+TASKS = ("data", "tokenizer", "tokens", "ablations", "pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo",
+         "export", "evaluate", "serve")
+
 
 class InfraConfig(Section):
     workdir: str = Field(".eightfold", description="local state: artifacts/, mlflow.db, logs/")
@@ -23,8 +27,21 @@ class InfraConfig(Section):
                            "resharded) instead of waiting for as many nodes as before")
     retries: int = Field(2, ge=0, description="Prefect retries of a training stage's task, each resuming its job")
     retry_delay_s: float = Field(5.0, ge=0, description="delay before the first retry; doubles for each next one")
+    task_timeout_s: dict[str, float] = Field(
+        default_factory=dict, description="Prefect timeout of a stage's task, by task name (e.g. {pretrain: 86400}), "
+        "per attempt: a training job still running then is cancelled and the task retried; absent: no timeout")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="used when launcher = slurm")
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="used when launcher = kubernetes")
+
+    @field_validator("task_timeout_s")
+    @classmethod
+    def _timeouts(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, seconds in v.items():
+            if name not in TASKS:
+                raise ValueError(f"task_timeout_s names {name!r}, not a task; tasks: {', '.join(TASKS)}")
+            if not seconds > 0:
+                raise ValueError(f"task_timeout_s.{name} = {seconds} must be > 0 seconds")
+        return v
 
     @field_validator("store")
     @classmethod

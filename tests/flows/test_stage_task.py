@@ -1,0 +1,68 @@
+"""The stage task as a Prefect user sees it: tags per stage, a cache hit that ends in a `Cached`
+state (Completed, like Prefect's own cache hits), and `infra.task_timeout_s` bounding an attempt."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.runtime import flow_run
+
+import tasks.stage as stage_module
+from infra.config import ConfigError, load_config
+from infra.config.infra import TASKS
+from stages.registry import STAGES
+from tasks.stage import submit_stage
+
+pytestmark = pytest.mark.slow
+
+
+@flow(name="one-stage-test")
+def one_stage(cfg, stage: str) -> tuple[dict, str]:
+    ref = submit_stage(cfg, stage, {}, parent_run_id=None, force=False)
+    return dict(ref.__dict__), str(flow_run.id)
+
+
+def _micro(tmp_path, *overrides):
+    return load_config("micro", [f"infra.workdir={tmp_path / 'work'}",
+                                 f"infra.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", *overrides])
+
+
+def _task_runs(flow_run_id: str):
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def test_a_cache_hit_is_a_cached_state_and_tasks_carry_their_stage_tags(tmp_path, prefect_harness):
+    cfg = _micro(tmp_path)
+    first, first_run = one_stage(cfg, "data")
+    second, second_run = one_stage(cfg, "data")
+    assert not first["cached"] and second["cached"] and second["fingerprint"] == first["fingerprint"]
+    (ran,), (hit,) = _task_runs(first_run), _task_runs(second_run)
+    assert ran.state.name == "Completed" and hit.state.name == "Cached" and hit.state.type.value == "COMPLETED"
+    assert first["uri"] in hit.state.message
+    assert {"eightfold", "stage:data", "no-training"} <= set(ran.tags)
+
+
+def test_a_task_past_its_timeout_fails_and_says_so(tmp_path, prefect_harness, monkeypatch):
+    def hangs(*args, **kwargs):
+        while True:
+            time.sleep(0.1)
+
+    monkeypatch.setattr(stage_module, "execute_stage", hangs)
+    cfg = _micro(tmp_path, "infra.task_timeout_s={data: 1}")
+    start = time.monotonic()
+    with pytest.raises(Exception, match="timed out"):
+        one_stage(cfg, "data")
+    assert time.monotonic() - start < 60
+
+
+def test_task_timeouts_name_tasks_that_exist():
+    assert TASKS == tuple(STAGES)  # the config's list of task names is the registry's
+    with pytest.raises(ConfigError, match="task_timeout_s names 'pretrian', not a task"):
+        load_config("micro", ["infra.task_timeout_s={pretrian: 60}"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config("micro", ["infra.task_timeout_s={pretrain: 0}"])
