@@ -279,6 +279,41 @@ class S3Store(Store):
             raise ChecksumMismatch(f"{self.url(key)}: sha256 of the downloaded bytes is {got}, expected {expected}")
         return data
 
+    def get_versioned(self, key):
+        full = self._key(key)
+
+        def fetch():
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=full)
+            except ClientError as exc:
+                if _error_code(exc)[0] in _NOT_FOUND_CODES:  # no bucket yet: no object either
+                    return None
+                raise
+            return resp["Body"].read(), str(resp["ETag"])
+
+        return self._call("get", self.url(key), fetch)
+
+    def put_if(self, data, key, version):
+        """S3's conditional writes: If-None-Match: * to create, If-Match: ETAG to replace (AWS S3 since
+        2024, MinIO). A 412, or a 409 from a concurrent conditional write, is the condition failing."""
+        full = self._key(key)
+        if not full:
+            raise StoreError("put_if needs a non-empty key")
+        self.ensure_bucket()
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+
+        def put():
+            try:
+                resp = self.client.put_object(Bucket=self.bucket, Key=full, Body=data, **condition)
+            except ClientError as exc:
+                code, status = _error_code(exc)
+                if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return None
+                raise
+            return str(resp["ETag"])
+
+        return self._call("put", self.url(key), put)
+
     def object_info(self, key: str) -> dict:
         """size, etag, sha256 (from metadata) and last_modified of one object."""
         head = self._head(key)

@@ -10,6 +10,7 @@ sha256 before the file appears at its destination.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -86,6 +87,17 @@ class Store(ABC):
 
     @abstractmethod
     def get_bytes(self, key: str) -> bytes: ...
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """An object's bytes and its version (an opaque token that changes with every write), or None
+        when it is missing: what `put_if` compares against."""
+        raise NotImplementedError
+
+    def put_if(self, data: bytes, key: str, version: str | None) -> str | None:
+        """A conditional write, atomic against every other writer of the store: with `version=None`
+        only if `key` is missing, else only if its version is still `version`. Returns the new
+        version, or None when the condition did not hold (nothing was written)."""
+        raise NotImplementedError
 
     def object_info(self, key: str) -> dict:
         """`size` and `sha256` of one object (FileNotFoundError when it is missing). Lets a commit
@@ -254,6 +266,30 @@ class FileStore(Store):
         if not p.is_file():
             raise FileNotFoundError(f"{self.url(key)} does not exist")
         return {"size": p.stat().st_size, "sha256": sha256_file(p)}
+
+    def get_versioned(self, key):
+        p = self._path(key)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if(self, data, key, version):
+        dst = self._path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # compare and write under an exclusive lock every writer of this key takes (flock is honoured by
+        # every process on the machine, and on NFS as a POSIX lock)
+        with open(dst.with_name(dst.name + ".guard"), "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            try:
+                current = self.get_versioned(key)
+                if (current is None) != (version is None) or (current is not None and current[1] != version):
+                    return None
+                self._write_atomic(dst, lambda f: f.write(data))
+                return hashlib.sha256(data).hexdigest()
+            finally:
+                fcntl.flock(guard, fcntl.LOCK_UN)
 
     def local_path(self, key: str) -> Path:
         """file:// only: where an object lives on disk (lets local jobs skip a copy)."""

@@ -18,12 +18,15 @@ from prefect.states import Completed, State
 from infra.artifacts import (Artifact, artifact_prefix, code_version, commit_artifact, find_artifact, fingerprint,
                              latest_artifact)
 from infra.config import LifecycleConfig
+from infra.lease import StoreLease, lease_key
 from infra.store import FileStore
 from infra.tracking import Tracker, flatten_params
 from infra.workspace import Workspace
 from stages.attempts import DivergenceBudgetSpent
 from stages.base import StageContext
 from stages.registry import STAGES
+
+LEASE_POLL_S = 2.0  # how often a run waiting for another's build of the same artifact looks again
 
 
 @dataclass(frozen=True)
@@ -125,19 +128,47 @@ def execute_stage(
     force: bool = False,
     log=print,
 ) -> ArtifactRef:
-    """Run `stage` unless its artifact is already committed; commit its output; track it."""
+    """Run `stage` unless its artifact is already committed; commit its output; track it. While it
+    builds, the stage's lease in the store (infra/lease.py) is held: another run on the same
+    fingerprint waits for it and is then a cache hit, instead of building into the same folders."""
     spec = STAGES[stage]
     ws = Workspace.from_config(cfg)
     fp = stage_fingerprint(cfg, stage, inputs)
     existing = find_artifact(ws.store, ws.experiment, stage, fp)
     if existing is not None and not force:
-        # the fingerprint covers config and inputs, not code: say when other code built the artifact
-        built, now = existing.manifest.get("code_version"), code_version()
-        stale = built not in (None, "unknown", now) and now != "unknown"
-        log(f"{stage}: cached {existing.uri}" + (f" (built by code {built}, this is {now}: `--force {stage}` "
-                                                  "rebuilds it)" if stale else ""))
-        return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
+        return _cache_hit(stage, fp, existing, log)
+    lease = StoreLease(ws.store, lease_key(ws.experiment, stage, fp))
+    waiting = False
+    while not lease.try_acquire():
+        if not force and (done := find_artifact(ws.store, ws.experiment, stage, fp)) is not None:
+            return _cache_hit(stage, fp, done, log)
+        if not waiting:
+            holder = (lease.holder() or {}).get("owner", "another run")
+            log(f"{stage}: {holder} is building this artifact (fingerprint {fp}); waiting for it")
+            waiting = True
+        time.sleep(LEASE_POLL_S)
+    try:
+        # committed by a run that held the lease after our first look (the one we waited for)
+        existing = find_artifact(ws.store, ws.experiment, stage, fp)
+        if existing is not None and not force:
+            return _cache_hit(stage, fp, existing, log)
+        return _build(cfg, stage, inputs, ws, fp, existing, parent_run_id, log)
+    finally:
+        lease.release()
 
+
+def _cache_hit(stage: str, fp: str, existing: Artifact, log) -> ArtifactRef:
+    # the fingerprint covers config and inputs, not code: say when other code built the artifact
+    built, now = existing.manifest.get("code_version"), code_version()
+    stale = built not in (None, "unknown", now) and now != "unknown"
+    log(f"{stage}: cached {existing.uri}" + (f" (built by code {built}, this is {now}: `--force {stage}` "
+                                              "rebuilds it)" if stale else ""))
+    return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
+
+
+def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws: Workspace, fp: str,
+           existing: Artifact | None, parent_run_id: str | None, log) -> ArtifactRef:
+    spec = STAGES[stage]
     tracker = Tracker.for_workspace(ws)
     out_dir = ws.workdir / "staging" / stage / fp
     prefix = artifact_prefix(ws.experiment, stage, fp)
