@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -249,13 +250,45 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
 @task(name="stage", cache_policy=NO_CACHE, retries=0)
 def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], parent_run_id: str | None = None,
                force: bool = False) -> ArtifactRef | State:
-    """The stage's artifact; a cache hit ends in a Completed state named `Cached`, as Prefect's own."""
+    """The stage's artifact; a cache hit ends in a Completed state named `Cached`, as Prefect's own.
+    A training stage that will run holds one of the launcher's job slots meanwhile (job_slots)."""
     logger = get_run_logger()
-    ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info)
+    slots = job_slots(cfg) if STAGES[stage].trains and (force or not is_committed(cfg, stage, inputs)) else None
+    with _holding(slots, logger.info):
+        ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info)
     _publish(cfg, ref)
     if ref.cached:
         return Completed(name="Cached", message=f"{stage}: cache hit {ref.uri}", data=ref)
     return ref
+
+
+def job_slots(cfg: LifecycleConfig) -> tuple[str, int] | None:
+    """The Prefect global concurrency limit a training task holds while its job runs, so flow runs do
+    not launch more jobs at once than the devices take: one limit per launcher, `infra.max_concurrent_jobs`
+    slots (default 1 on the local launcher, whose jobs share one machine's devices; none on Slurm and
+    Kubernetes, whose schedulers queue jobs). The last config to run sets the limit's size."""
+    limit = cfg.infra.max_concurrent_jobs
+    if limit is None and cfg.infra.launcher == "local":
+        limit = 1
+    return None if limit is None else (f"eightfold-jobs-{cfg.infra.launcher}", limit)
+
+
+@contextmanager
+def _holding(slots: tuple[str, int] | None, log) -> Iterator[None]:
+    if slots is None:
+        yield
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    name, limit = slots
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, limit)
+    started = time.monotonic()
+    with concurrency(name, occupy=1, strict=True):
+        if (waited := time.monotonic() - started) > 1:
+            log(f"waited {waited:.0f}s for a slot of the concurrency limit {name!r} ({limit} at once)")
+        yield
 
 
 # Failures a retry cannot mend: the stage ends at once instead of burning its retries.

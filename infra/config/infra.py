@@ -27,6 +27,9 @@ class InfraConfig(Section):
                            "resharded) instead of waiting for as many nodes as before")
     retries: int = Field(2, ge=0, description="Prefect retries of a training stage's task, each resuming its job")
     retry_delay_s: float = Field(5.0, ge=0, description="delay before the first retry; doubles for each next one")
+    max_concurrent_jobs: int | None = Field(
+        None, ge=1, description="training jobs of this launcher running at once across flow runs (a Prefect global "
+        "concurrency limit, eightfold-jobs-LAUNCHER); default 1 on local, unlimited on Slurm and Kubernetes")
     task_timeout_s: dict[str, float] = Field(
         default_factory=dict, description="Prefect timeout of a stage's task, by task name (e.g. {pretrain: 86400}), "
         "per attempt: a training job still running then is cancelled and the task retried; absent: no timeout")

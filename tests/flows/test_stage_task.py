@@ -3,6 +3,7 @@ state (Completed, like Prefect's own cache hits), and `infra.task_timeout_s` bou
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -66,3 +67,38 @@ def test_task_timeouts_name_tasks_that_exist():
         load_config("micro", ["infra.task_timeout_s={pretrian: 60}"])
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config("micro", ["infra.task_timeout_s={pretrain: 0}"])
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_training_tasks_hold_a_slot_of_the_launchers_job_limit(tmp_path, prefect_harness, monkeypatch, limit):
+    """Two flow runs start pretrain at once: with infra.max_concurrent_jobs=1 the second task's job
+    starts only after the first ended; with 2 they overlap."""
+    from tasks.stage import ArtifactRef
+
+    spans = []
+
+    def trains(cfg, stage, inputs, **kwargs):
+        start = time.monotonic()
+        time.sleep(1.5)
+        spans.append((start, time.monotonic()))
+        return ArtifactRef(stage, "f" * 16, "file:///nowhere", cached=False, summary={})
+
+    monkeypatch.setattr(stage_module, "execute_stage", trains)
+    monkeypatch.setattr(stage_module, "is_committed", lambda *a: False)
+    monkeypatch.setattr(stage_module, "_publish", lambda *a: None)
+    cfg = _micro(tmp_path, f"infra.max_concurrent_jobs={limit}")
+    assert stage_module.job_slots(cfg) == ("eightfold-jobs-local", limit)
+    threads = [threading.Thread(target=one_stage, args=(cfg, "pretrain")) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (_, first_end), (second_start, _) = sorted(spans)
+    assert (second_start < first_end) is (limit == 2), spans
+
+
+def test_job_slots_default_to_one_on_the_local_launcher_only(tmp_path):
+    assert stage_module.job_slots(_micro(tmp_path)) == ("eightfold-jobs-local", 1)
+    assert stage_module.job_slots(_micro(tmp_path, "infra.launcher=slurm")) is None
+    assert stage_module.job_slots(_micro(tmp_path, "infra.launcher=slurm", "infra.max_concurrent_jobs=4")) == (
+        "eightfold-jobs-slurm", 4)
