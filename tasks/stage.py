@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
@@ -240,11 +240,15 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
     for name, meta in sorted(art.manifest.get("files", {}).items()):
         if "/" not in name and name.endswith(".md") and int(meta["size"]) <= 32_000:
             markdown += f"\n\n### {name}\n\n" + art.store.get_bytes(art.key(name)).decode("utf-8", "replace")
-    create_markdown_artifact(
-        markdown=markdown,
-        key=f"{cfg.name}-{ref.stage}".lower().replace("_", "-"),
-        description=f"{ref.stage} artifact {ref.fingerprint}",
-    )
+    key = f"{cfg.name}-{ref.stage}".lower().replace("_", "-")
+    create_markdown_artifact(markdown=markdown, key=key, description=f"{ref.stage} artifact {ref.fingerprint}")
+    # the figures as a table the UI sorts and compares across runs, the MLflow run as a link
+    rows = [{"figure": k, "value": v} for k, v in (ref.summary or {}).items() if isinstance(v, (int, float, str, bool))]
+    if rows:
+        create_table_artifact(table=rows, key=f"{key}-figures", description=f"{ref.stage} figures ({ref.fingerprint})")
+    if url and url.startswith("http"):
+        create_link_artifact(link=url, link_text=f"{ref.stage} in MLflow", key=f"{key}-mlflow-run",
+                             description=f"the MLflow run that built {ref.stage} {ref.fingerprint}")
 
 
 @task(name="stage", cache_policy=NO_CACHE, retries=0)

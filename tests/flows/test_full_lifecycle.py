@@ -41,6 +41,8 @@ def micro_run(tmp_path_factory, prefect_harness, s3_endpoint):
     cfg = load_config("micro").model_dump(mode="json")
     cfg["infra"].update(store=f"s3://{new_bucket_name()}/artifacts", s3_endpoint_url=s3_endpoint)
     cfg["parallel"].update(nnodes=2, nproc_per_node=1, dp=2)
+    # a training job that hangs is cancelled and retried within minutes, not at the test's timeout
+    cfg["infra"]["task_timeout_s"] = {t: 300 for t in ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo")}
     CONFIG = str(root / "micro-s3-two-nodes.yaml")
     Path(CONFIG).write_text(yaml.safe_dump(cfg))
     with pytest.MonkeyPatch.context() as mp:

@@ -3,13 +3,14 @@ state (Completed, like Prefect's own cache hits), and `infra.task_timeout_s` bou
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.runtime import flow_run
 
 import tasks.stage as stage_module
@@ -46,6 +47,10 @@ def test_a_cache_hit_is_a_cached_state_and_tasks_carry_their_stage_tags(tmp_path
     assert ran.state.name == "Completed" and hit.state.name == "Cached" and hit.state.type.value == "COMPLETED"
     assert first["uri"] in hit.state.message
     assert {"eightfold", "stage:data", "no-training"} <= set(ran.tags)
+    with get_client(sync_client=True) as client:  # the stage's figures as a table artifact too
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["micro-data-figures"])))
+    rows = {row["figure"]: row["value"] for row in json.loads(tables[0].data)}
+    assert tables[0].type == "table" and rows and rows.items() <= first["summary"].items()
 
 
 def test_a_task_past_its_timeout_fails_and_says_so(tmp_path, prefect_harness, monkeypatch):
