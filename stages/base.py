@@ -34,6 +34,7 @@ class StageContext:
     log_metrics: Callable[[dict[str, float], int | None], None] = _noop
     log_params: Callable[[dict[str, Any]], None] = _noop
     log_artifact: Callable[[Path], None] = _noop
+    report_progress: Callable[[float, str], None] = _noop  # a running job's fraction done and a line
 
     def job_output(self, *sub: str) -> str:
         """The URI a training job of this stage writes to (a sub-folder of the artifact for `sub`)."""

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 from infra.config import LifecycleConfig
 from infra.launch.base import endpoint_for
 from infra.launch.job import JobSpec, TrackingRef
-from infra.store import open_store
+from infra.store import StoreError, open_store
 from trainer.job_io import is_local, local_path
 
 SERVER_SCHEMES = ("http", "https", "databricks")
@@ -59,3 +59,21 @@ def replay_metrics(spec: JobSpec, log_metrics) -> int:
             log_metrics(numbers, step)
             rows += 1
     return rows
+
+
+def job_step(spec: JobSpec) -> int | None:
+    """The last step in the job's metrics.jsonl (rank 0 copies it to a store output every ~10 s), or
+    None before the first row or when the store does not answer this time."""
+    try:
+        path = fetch_output_file(spec, "metrics.jsonl")
+    except (OSError, StoreError):
+        return None
+    if path is None:
+        return None
+    last = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            last = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):  # a line still being written
+            continue
+    return last

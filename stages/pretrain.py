@@ -9,6 +9,7 @@ the stage's MLflow run (`ctx.run_id`).
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from infra.launch.job import JobResult, JobSpec
 from .activation_plot import plot_activation_stats
 from .attempts import DivergenceBudgetSpent, TrainingDiverged, TrainingJobFailed, next_launch, settle
 from .base import StageContext
-from .job_tracking import fetch_output_file, job_tracking, replay_metrics
+from .job_tracking import fetch_output_file, job_step, job_tracking, replay_metrics
 
 __all__ = ["TrainingJobFailed", "TrainingDiverged", "DivergenceBudgetSpent", "job_spec", "launch_and_wait", "run"]
 
@@ -76,6 +77,31 @@ def _exclude_bad_nodes(launcher, spec: JobSpec, bad: dict[str, str]) -> str:
     return f"; pre-flight failed on {', '.join(sorted(bad))} ({launcher.name} launcher: nothing to exclude)"
 
 
+PROGRESS_EVERY_S = 30.0  # each look reads the job's metrics.jsonl from its output
+
+
+def wait_reporting_progress(ctx: StageContext, spec: JobSpec, handle, timeout: float | None = None) -> int:
+    """`handle.wait(timeout)` in slices; after each, the job's last step (its metrics.jsonl) goes to
+    `ctx.report_progress` as a fraction of the job's steps when it moved."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    section: Any = spec.config
+    for part in spec.section.split("."):  # pretrain, posttrain.sft, ...
+        section = section.get(part, {}) if isinstance(section, dict) else {}
+    total = int(section.get("steps") or 0)
+    reported = None
+    while True:
+        left = PROGRESS_EVERY_S if deadline is None else min(PROGRESS_EVERY_S, max(0.0, deadline - time.monotonic()))
+        try:
+            return handle.wait(left)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        step = job_step(spec)
+        if step is not None and step != reported and total > 0:
+            ctx.report_progress(min(1.0, step / total), f"{spec.job_id}: step {step}/{total}")
+            reported = step
+
+
 def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = None) -> JobResult:
     """Launch the job and wait. A job that resumes (`resume: latest`) into a folder an earlier attempt
     used learns from it (stages/attempts.py): its attempt number, the LR cap and the data windows to
@@ -92,7 +118,7 @@ def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = No
     job_file = spec.write(Path(spec.workdir) / "job.yaml")
     handle = launcher.submit(spec, job_file)
     try:
-        code = handle.wait(timeout)
+        code = wait_reporting_progress(ctx, spec, handle, timeout)
     except BaseException:  # Ctrl-C, a cancelled flow run, a timeout: the job must not outlive its task
         handle.cancel()
         raise

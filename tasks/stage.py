@@ -128,6 +128,7 @@ def execute_stage(
     parent_run_id: str | None = None,
     force: bool = False,
     log=print,
+    progress=None,
 ) -> ArtifactRef:
     """Run `stage` unless its artifact is already committed; commit its output; track it. While it
     builds, the stage's lease in the store (infra/lease.py) is held: another run on the same
@@ -153,7 +154,7 @@ def execute_stage(
         existing = find_artifact(ws.store, ws.experiment, stage, fp)
         if existing is not None and not force:
             return _cache_hit(stage, fp, existing, log)
-        return _build(cfg, stage, inputs, ws, fp, existing, parent_run_id, log)
+        return _build(cfg, stage, inputs, ws, fp, existing, parent_run_id, log, progress)
     finally:
         lease.release()
 
@@ -168,7 +169,7 @@ def _cache_hit(stage: str, fp: str, existing: Artifact, log) -> ArtifactRef:
 
 
 def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws: Workspace, fp: str,
-           existing: Artifact | None, parent_run_id: str | None, log) -> ArtifactRef:
+           existing: Artifact | None, parent_run_id: str | None, log, progress) -> ArtifactRef:
     spec = STAGES[stage]
     tracker = Tracker.for_workspace(ws)
     out_dir = ws.workdir / "staging" / stage / fp
@@ -196,6 +197,7 @@ def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws:
             log_metrics=lambda m, step=None: tracker.log_metrics(run_id, m, step=step),
             log_params=lambda p: tracker.log_params(run_id, flatten_params(p)),
             log_artifact=lambda path: tracker.log_artifact(run_id, str(path)),
+            **({"report_progress": progress} if progress else {}),
         )
         log(f"{stage}: running (fingerprint {fp})")
         try:
@@ -259,11 +261,29 @@ def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef],
     logger = get_run_logger()
     slots = job_slots(cfg) if STAGES[stage].trains and (force or not is_committed(cfg, stage, inputs)) else None
     with _holding(slots, logger.info):
-        ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info)
+        ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info,
+                            progress=progress_artifact(f"{cfg.name}-{stage}".lower().replace("_", "-") + "-progress"))
     _publish(cfg, ref)
     if ref.cached:
         return Completed(name="Cached", message=f"{stage}: cache hit {ref.uri}", data=ref)
     return ref
+
+
+def progress_artifact(key: str):
+    """A StageContext.report_progress that keeps one Prefect progress artifact of this task run up to
+    date (created at the first report): what the UI shows while a training job runs."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    made: list = []
+
+    def report(fraction: float, line: str) -> None:
+        percent = round(100.0 * min(1.0, max(0.0, fraction)), 1)
+        if not made:
+            made.append(create_progress_artifact(percent, key=key, description=line))
+        else:
+            update_progress_artifact(made[0], percent, description=line)
+
+    return report
 
 
 def job_slots(cfg: LifecycleConfig) -> tuple[str, int] | None:

@@ -107,3 +107,16 @@ def test_job_slots_default_to_one_on_the_local_launcher_only(tmp_path):
     assert stage_module.job_slots(_micro(tmp_path, "infra.launcher=slurm")) is None
     assert stage_module.job_slots(_micro(tmp_path, "infra.launcher=slurm", "infra.max_concurrent_jobs=4")) == (
         "eightfold-jobs-slurm", 4)
+
+
+def test_progress_reports_keep_one_progress_artifact_up_to_date(prefect_harness):
+    @flow(name="progress-test")
+    def reports() -> None:
+        report = stage_module.progress_artifact("micro-pretrain-progress")
+        report(0.25, "step 5/20")
+        report(0.5, "step 10/20")
+
+    reports()
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["micro-pretrain-progress"])))
+    assert [(a.type, float(a.data), a.description) for a in found] == [("progress", 50.0, "step 10/20")]
