@@ -71,14 +71,17 @@ class MetricsSink:
 
     def __init__(self, out_dir: Path | None, tracking_uri: str | None, run_id: str | None,
                  total_steps: int, enabled: bool, progress: bool = True,
-                 sync: Callable[[bool], None] | None = None):
+                 sync: Callable[[bool], None] | None = None, system_metrics_s: float | None = None):
         """`sync(force)`: called after each write (and forced at close) to mirror metrics.jsonl to a
-        remote output (trainer.job_io.OutputFolder.sync)."""
+        remote output (trainer.job_io.OutputFolder.sync). `system_metrics_s`: MLflow's own system
+        metrics monitor samples this machine every so many seconds into the run (system/*), continuing
+        the steps of an earlier attempt."""
         self.enabled = enabled
         self._sync = sync
         self._jsonl = None
         self._logger = None
         self._bar = None
+        self._system = None
         if not enabled:
             return
         if out_dir is not None:
@@ -91,6 +94,12 @@ class MetricsSink:
                 print("trainer: infra.tracking is not available; metrics go to metrics.jsonl only", file=sys.stderr)
             else:
                 self._logger = RunLogger(tracking_uri, run_id)
+                if system_metrics_s:
+                    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                    self._system = SystemMetricsMonitor(run_id, sampling_interval=system_metrics_s,
+                                                        resume_logging=True, tracking_uri=tracking_uri)
+                    self._system.start()
         if progress:
             from tqdm.auto import tqdm
 
@@ -118,6 +127,8 @@ class MetricsSink:
             self._logger.log_params(params)
 
     def close(self) -> None:
+        if self._system is not None:
+            self._system.finish()
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:

@@ -194,7 +194,8 @@ class PosttrainJob:
     def run(self) -> JobResult:
         s = self.sc
         sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
-                           total_steps=s.steps, enabled=self.rank == 0, sync=self.output.sync)
+                           total_steps=s.steps, enabled=self.rank == 0, sync=self.output.sync,
+                           system_metrics_s=self.cfg.infra.system_metrics_s)
         trainable = sum(p.numel() for p in unwrap(self.model).parameters() if p.requires_grad)
         total = sum(p.numel() for p in unwrap(self.model).parameters())
         sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total,

@@ -89,7 +89,8 @@ class Trainer:
     def run(self) -> JobResult:
         t = self.train_cfg
         sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
-                           total_steps=t.steps, enabled=self.rank == 0, sync=self.output.sync)
+                           total_steps=t.steps, enabled=self.rank == 0, sync=self.output.sync,
+                           system_metrics_s=self.cfg.infra.system_metrics_s)
         sink.log_params({"flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                          "world_size": self.dims.world_size})
         if self.rank == 0:

@@ -27,6 +27,9 @@ class InfraConfig(Section):
                            "resharded) instead of waiting for as many nodes as before")
     retries: int = Field(2, ge=0, description="Prefect retries of a training stage's task, each resuming its job")
     retry_delay_s: float = Field(5.0, ge=0, description="delay before the first retry; doubles for each next one")
+    system_metrics_s: float | None = Field(
+        10.0, gt=0, description="seconds between samples of CPU, memory, disk, network (and GPU with nvidia-ml-py) "
+        "that a training job's rank 0 logs into its MLflow run as system/*; None: none")
     max_concurrent_jobs: int | None = Field(
         None, ge=1, description="training jobs of this launcher running at once across flow runs (a Prefect global "
         "concurrency limit, eightfold-jobs-LAUNCHER); default 1 on local, unlimited on Slurm and Kubernetes")

@@ -32,7 +32,9 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("pretrain-test", artifact_location=str(tmp_path / "mlruns"))
     run_id = client.create_run(exp).info.run_id
-    summary = run(context(tmp_path, tokens, run_id=run_id, tracking=uri, steps=8, warmup_steps=1))
+    ctx = context(tmp_path, tokens, run_id=run_id, tracking=uri, steps=8, warmup_steps=1)
+    ctx.cfg.infra.system_metrics_s = 0.5
+    summary = run(ctx)
     assert summary["steps"] == 8 and summary["loss"] < 5.5 and "val_loss" in summary
     assert (tmp_path / "out" / "result.json").is_file()
     history = client.get_metric_history(run_id, "loss")
@@ -44,6 +46,9 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     params = client.get_run(run_id).data.params
     estimated, measured = float(params["estimate.flops_per_step"]), float(params["measured.flops_per_step"])
     assert abs(measured - estimated) / estimated < 0.05
+    # MLflow's system metrics of the job's machine, sampled every 0.5 s while it trained
+    logged = client.get_run(run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(logged), sorted(logged)
 
 
 def test_failed_job_raises_naming_the_log(tmp_path, tokens):
