@@ -141,6 +141,19 @@ class Tracker:
 
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def log_artifact_inputs(self, run_id: str, inputs: Mapping[str, tuple[str, str]], context: str = "training") -> None:
+        """The artifacts a stage read, as MLflow dataset inputs (name -> (uri, fingerprint)): the run's
+        Datasets panel names each with its digest and source, and runs that read the same one match."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        source_type = lambda uri: "s3" if uri.startswith("s3://") else "local"  # noqa: E731
+        datasets = [DatasetInput(Dataset(name=name, digest=fp, source_type=source_type(uri),
+                                         source=json.dumps({"uri": uri})),
+                                 tags=[InputTag("mlflow.data.context", context)])
+                    for name, (uri, fp) in sorted(inputs.items())]
+        if datasets:
+            self.client.log_inputs(run_id, datasets=datasets)
+
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Nested dicts are flattened; logging the same key twice with a different value is an error
         in MLflow (params are immutable), the same value is fine (a retried task)."""

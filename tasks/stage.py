@@ -178,6 +178,8 @@ def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws:
     # the run ends FAILED on any error from here on: params, the inputs' download, the commit too
     with tracker.run(f"{stage}-{fp[:8]}", parent_run_id=parent_run_id, tags={"stage": stage, "fingerprint": fp}) as run_id:
         tracker.log_params(run_id, flatten_params({"stage": spec.section(cfg)}))
+        tracker.log_artifact_inputs(run_id, {k: (v.uri, v.fingerprint) for k, v in inputs.items()},
+                                    context="training" if spec.trains else "input")
         if not spec.trains:
             shutil.rmtree(out_dir, ignore_errors=True)  # leftovers of a failed attempt are never committed
         # A training stage keeps its job's output in the store across attempts: the job resumes from its

@@ -63,3 +63,15 @@ def test_a_stage_that_commits_finishes_its_run(tmp_path):
     cfg = _micro(tmp_path)
     ref = stage_task.execute_stage(cfg, "data", {}, log=lambda _: None)
     assert not ref.cached and _statuses(cfg) == ["FINISHED"]
+
+
+def test_a_stages_inputs_are_dataset_inputs_of_its_run(tmp_path):
+    cfg = _micro(tmp_path)
+    data = stage_task.execute_stage(cfg, "data", {}, log=lambda _: None)
+    tok = stage_task.execute_stage(cfg, "tokenizer", {"data": data}, log=lambda _: None)
+    client = mlflow.MlflowClient(Workspace.from_config(cfg).tracking_uri)
+    run_id = stage_task.find_artifact(Workspace.from_config(cfg).store, "micro", "tokenizer",
+                                      tok.fingerprint).manifest["mlflow_run_id"]
+    (inp,) = client.get_run(run_id).inputs.dataset_inputs
+    assert (inp.dataset.name, inp.dataset.digest, inp.dataset.source_type) == ("data", data.fingerprint, "local")
+    assert data.uri in inp.dataset.source and {t.key: t.value for t in inp.tags} == {"mlflow.data.context": "input"}
