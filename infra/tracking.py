@@ -141,6 +141,13 @@ class Tracker:
 
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def log_table(self, run_id: str, data: Mapping[str, list], artifact_file: str) -> None:
+        """A table MLflow's UI shows as one (the run's artifacts, and the Evaluation view)."""
+        self.client.log_table(run_id, data=dict(data), artifact_file=artifact_file)
+
+    def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
+        self.client.log_figure(run_id, figure, artifact_file)
+
     def log_artifact_inputs(self, run_id: str, inputs: Mapping[str, tuple[str, str]], context: str = "training") -> None:
         """The artifacts a stage read, as MLflow dataset inputs (name -> (uri, fingerprint)): the run's
         Datasets panel names each with its digest and source, and runs that read the same one match."""

@@ -23,8 +23,9 @@ def read_activation_stats(metrics_jsonl: Path) -> dict[str, dict[int, list[tuple
     return series
 
 
-def plot_activation_stats(metrics_jsonl: Path, path: Path, title: str = "") -> Path | None:
-    """activations.png next to the metrics; None when the job logged no statistics."""
+def plot_activation_stats(metrics_jsonl: Path, path: Path, title: str = "", log_figure=None) -> Path | None:
+    """activations.png next to the metrics, and through `log_figure(fig, name)` into the run; None when
+    the job logged no statistics."""
     series = read_activation_stats(metrics_jsonl)
     if not series["rms"]:
         return None
@@ -49,5 +50,7 @@ def plot_activation_stats(metrics_jsonl: Path, path: Path, title: str = "") -> P
     fig.suptitle(title or "activations after each block")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    if log_figure is not None:
+        log_figure(fig, path.name)
     plt.close(fig)
     return path

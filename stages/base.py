@@ -35,6 +35,8 @@ class StageContext:
     log_params: Callable[[dict[str, Any]], None] = _noop
     log_artifact: Callable[[Path], None] = _noop
     report_progress: Callable[[float, str], None] = _noop  # a running job's fraction done and a line
+    log_table: Callable[[dict[str, list], str], None] = _noop  # columns -> values, artifact file (.json)
+    log_figure: Callable[[Any, str], None] = _noop  # a matplotlib figure, artifact file (.png)
 
     def job_output(self, *sub: str) -> str:
         """The URI a training job of this stage writes to (a sub-folder of the artifact for `sub`)."""

@@ -162,7 +162,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     summary.update(compare_prediction(summary))
     metrics = fetch_output_file(spec, "metrics.jsonl")
     if metrics is not None:
-        png = plot_activation_stats(metrics, Path(ctx.out_dir) / "activations.png", f"pretrain {ctx.cfg.name}")
-        if png is not None:
-            ctx.log_artifact(png)
+        plot_activation_stats(metrics, Path(ctx.out_dir) / "activations.png", f"pretrain {ctx.cfg.name}",
+                              log_figure=ctx.log_figure)
     return summary

@@ -199,6 +199,8 @@ def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws:
             log_metrics=lambda m, step=None: tracker.log_metrics(run_id, m, step=step),
             log_params=lambda p: tracker.log_params(run_id, flatten_params(p)),
             log_artifact=lambda path: tracker.log_artifact(run_id, str(path)),
+            log_table=lambda data, name: tracker.log_table(run_id, data, name),
+            log_figure=lambda fig, name: tracker.log_figure(run_id, fig, name),
             **({"report_progress": progress} if progress else {}),
         )
         log(f"{stage}: running (fingerprint {fp})")

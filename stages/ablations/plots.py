@@ -19,17 +19,20 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, ax, path: Path, **grid) -> Path:
-    """The common finish of every figure: grid, legend, tight layout, PNG, figure closed."""
+def _save(plt, fig, ax, path: Path, log_figure=None, **grid) -> Path:
+    """The common finish of every figure: grid, legend, tight layout, PNG, `log_figure(fig, name)` into
+    the run when given, figure closed."""
     ax.grid(True, alpha=0.3, **grid)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    if log_figure is not None:
+        log_figure(fig, path.name)
     plt.close(fig)
     return path
 
 
-def plot_loss_vs_lr(curves: dict[str, dict], path: Path) -> Path:
+def plot_loss_vs_lr(curves: dict[str, dict], path: Path, log_figure=None) -> Path:
     """curves: label -> {"lr": [...], "loss": [...], "best_lr": x, "best_loss": y}; diverged runs drawn as x at the top."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -49,11 +52,12 @@ def plot_loss_vs_lr(curves: dict[str, dict], path: Path) -> Path:
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final validation loss")
     ax.set_title("Proxy sweep: loss vs learning rate (star: best, x: diverged)")
-    return _save(plt, fig, ax, path, which="both")
+    return _save(plt, fig, ax, path, log_figure, which="both")
 
 
 def plot_loss_vs_compute(C: list[float], L: list[float], labels: list[str], fit, target_c: float,
-                         predicted: tuple[float, float], path: Path, actual: float | None = None) -> Path:
+                         predicted: tuple[float, float], path: Path, actual: float | None = None,
+                         log_figure=None) -> Path:
     """The best run per size, the fitted L(C) (None: no curve) and the prediction with +-1 sd."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -73,10 +77,10 @@ def plot_loss_vs_compute(C: list[float], L: list[float], labels: list[str], fit,
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("final validation loss")
     ax.set_title("Scaling law over the proxies")
-    return _save(plt, fig, ax, path, which="both")
+    return _save(plt, fig, ax, path, log_figure, which="both")
 
 
-def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path) -> Path:
+def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path, log_figure=None) -> Path:
     """rows: {"size", "tokens", "mixture", "loss"} (each mixture at its best lr); grouped bars per size."""
     plt = _pyplot()
     label = lambda m: m if m is not None else "pretrain"  # noqa: E731
@@ -101,4 +105,4 @@ def plot_loss_vs_mixture(rows: list[dict], chosen: str | None, path: Path) -> Pa
     ax.set_xticklabels([f"{size}\nD={d:.3g}" for _, d, size in groups], fontsize=8)
     ax.set_ylabel("final validation loss (best lr)")
     ax.set_title("Proxy sweep: loss per data mixture (hatched: chosen)")
-    return _save(plt, fig, ax, path, axis="y")
+    return _save(plt, fig, ax, path, log_figure, axis="y")

@@ -212,17 +212,16 @@ def run(ctx: StageContext, run_proxies: RunProxies | None = None,
     (out / CHOICE_FILE).write_text(json.dumps(choice, indent=2, default=float))
     per_size = choice["per_size"]
     pred = choice["prediction"]
-    pngs = [plot_loss_vs_lr(curves, out / "loss_vs_lr.png")]
+    # each picture a PNG in the artifact and, through log_figure, a figure of the stage's run
+    plot_loss_vs_lr(curves, out / "loss_vs_lr.png", ctx.log_figure)
     if pred["val_loss"] is not None:
-        pngs.append(plot_loss_vs_compute([r["flops"] for r in per_size], [r["loss"] for r in per_size],
-                                         [r["size"] for r in per_size], fit if pred["law"].startswith("L(C)") else None,
-                                         choice["target"]["flops"], (pred["val_loss"], pred["std"] or math.inf),
-                                         out / "scaling_law.png"))
+        plot_loss_vs_compute([r["flops"] for r in per_size], [r["loss"] for r in per_size],
+                             [r["size"] for r in per_size], fit if pred["law"].startswith("L(C)") else None,
+                             choice["target"]["flops"], (pred["val_loss"], pred["std"] or math.inf),
+                             out / "scaling_law.png", log_figure=ctx.log_figure)
     if "mixtures" in choice:
-        pngs.append(plot_loss_vs_mixture(choice["mixtures"]["per_size"], choice["data_mixture_name"],
-                                         out / "loss_vs_mixture.png"))
-    for png in pngs:
-        ctx.log_artifact(png)
+        plot_loss_vs_mixture(choice["mixtures"]["per_size"], choice["data_mixture_name"], out / "loss_vs_mixture.png",
+                             ctx.log_figure)
     ctx.log_artifact(out / CHOICE_FILE)
     summary: dict[str, Any] = {
         "proxies": len(results), "proxies_trained": sum(1 for r in results if not r.cached),

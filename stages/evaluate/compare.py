@@ -46,6 +46,17 @@ def build_table(summaries: dict[str, dict[str, Any]], tasks: list[str],
             "notes": dict(notes or {}), "caption": caption}
 
 
+def as_columns(table: dict[str, Any]) -> dict[str, list]:
+    """The table as MLflow's log_table takes it: a column per figure (value, and its stderr beside it)."""
+    out: dict[str, list] = {"variant": [r["variant"] for r in table["rows"]]}
+    for c in table["columns"]:
+        cells = [r["cells"].get(c) or {} for r in table["rows"]]
+        out[c] = [cell.get("value") for cell in cells]
+        if any(cell.get("stderr") is not None for cell in cells):
+            out[f"{c} stderr"] = [cell.get("stderr") for cell in cells]
+    return out
+
+
 def to_markdown(table: dict[str, Any]) -> str:
     cols = table["columns"]
     lines = ["# Evaluation: variants x tasks", "",

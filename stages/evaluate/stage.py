@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base import StageContext
-from .compare import build_table, flat_metrics, log_variant_runs, write_table
+from .compare import as_columns, build_table, flat_metrics, log_variant_runs, write_table
 from .gates import check_gates
 from .run import Variant, discover_variants, evaluate_model, export_summary, model_args, summarize, write_samples
 from .suite import task_manager, token_window_filter, validation_texts, write_suite
@@ -129,6 +129,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     md, js = write_table(table, ctx.out_dir)
     ctx.log_artifact(md)
     ctx.log_artifact(js)
+    ctx.log_table(as_columns(table), "evaluation_table.json")
     if ctx.run_id:
         from infra.tracking import Tracker
 

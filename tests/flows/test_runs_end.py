@@ -4,6 +4,8 @@ the commit), KILLED on Ctrl-C. None stays RUNNING."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlflow
 import pytest
 
@@ -75,3 +77,25 @@ def test_a_stages_inputs_are_dataset_inputs_of_its_run(tmp_path):
     (inp,) = client.get_run(run_id).inputs.dataset_inputs
     assert (inp.dataset.name, inp.dataset.digest, inp.dataset.source_type) == ("data", data.fingerprint, "local")
     assert data.uri in inp.dataset.source and {t.key: t.value for t in inp.tags} == {"mlflow.data.context": "input"}
+
+
+def test_tables_and_figures_land_in_the_run(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "tables", artifact_location=str(tmp_path / "mlruns"))
+    with tracker.run("evaluate") as run_id:
+        tracker.log_table(run_id, {"variant": ["hf", "int8"], "acc": [0.5, 0.25]}, "evaluation_table.json")
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [3, 4])
+        tracker.log_figure(run_id, fig, "loss.png")
+        plt.close(fig)
+    names = {a.path for a in tracker.client.list_artifacts(run_id)}
+    assert {"evaluation_table.json", "loss.png"} <= names
+    import json
+
+    table = json.loads(Path(tracker.client.download_artifacts(run_id, "evaluation_table.json", str(tmp_path))).read_text())
+    assert table == {"columns": ["variant", "acc"], "data": [["hf", 0.5], ["int8", 0.25]]}  # MLflow's table format
+    assert '"type": "table"' in tracker.client.get_run(run_id).data.tags["mlflow.loggedArtifacts"]

@@ -25,7 +25,8 @@ def _ctx(tmp_path, export_dir, data_dir, evaluate: dict, with_tracking: bool = T
     run_id = tracker.start_run("evaluate") if tracker else None
     logged = []
     ctx = StageContext(cfg=cfg, workspace=ws, out_dir=tmp_path / "out", inputs={"export": export_dir, "data": data_dir},
-                       run_id=run_id, log_artifact=logged.append)
+                       run_id=run_id, log_artifact=logged.append,
+                       log_table=lambda data, name: logged.append((name, data)))
     ctx.out_dir.mkdir()
     return ctx, tracker, logged
 
@@ -60,6 +61,12 @@ def test_stage_evaluates_every_variant_into_one_table_and_nested_runs(tmp_path, 
     md = (ctx.out_dir / "evaluation.md").read_text()
     assert "| hf |" in md and "| fp8 |" in md and " ± " in md
     assert ctx.out_dir / "evaluation.md" in logged and ctx.out_dir / "evaluation.json" in logged
+    # the same table as an MLflow table: a column per figure, its stderr beside it
+    (columns,) = [data for item in logged if isinstance(item, tuple) and item[0] == "evaluation_table.json"
+                  for data in [item[1]]]
+    assert columns["variant"] == ["hf", "fp8", "gguf-q8_0", "int4"]
+    assert columns["eightfold_heldout_ppl/bits_per_byte"][1] == fp8_bpb["value"]
+    assert columns["eightfold_heldout_ppl/bits_per_byte stderr"][0] == hf_bpb["stderr"]
     assert summary["variants"] == 4 and summary["gates_passed"] == 2
     assert summary["hf/eightfold_heldout_ppl/bits_per_byte"] == pytest.approx(hf_bpb["value"])
     assert (ctx.out_dir / "suite" / "eightfold_code_completion.yaml").exists()

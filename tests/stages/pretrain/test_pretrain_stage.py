@@ -34,6 +34,8 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     run_id = client.create_run(exp).info.run_id
     ctx = context(tmp_path, tokens, run_id=run_id, tracking=uri, steps=8, warmup_steps=1)
     ctx.cfg.infra.system_metrics_s = 0.5
+    figures = []
+    ctx.log_figure = lambda fig, name: figures.append((name, len(fig.axes)))
     summary = run(ctx)
     assert summary["steps"] == 8 and summary["loss"] < 5.5 and "val_loss" in summary
     assert (tmp_path / "out" / "result.json").is_file()
@@ -42,6 +44,7 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     # per-layer activation statistics at every logged step, and their picture in the artifact
     assert [m.step for m in client.get_metric_history(run_id, "act_rms/layer_00")] == list(range(1, 9))
     assert (tmp_path / "out" / "activations.png").stat().st_size > 10_000
+    assert figures == [("activations.png", 2)]  # and the figure itself into the run (log_figure)
     # The estimator's FLOPs per step sit next to torch's FLOP counter on the real model (issue 8).
     params = client.get_run(run_id).data.params
     estimated, measured = float(params["estimate.flops_per_step"]), float(params["measured.flops_per_step"])
