@@ -4,6 +4,7 @@ an MLflow nested run, commit of the output, and a Prefect markdown artifact with
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -230,6 +231,11 @@ def _build(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef], ws:
     return ArtifactRef(stage, fp, art.uri, cached=False, summary=summary)
 
 
+def _artifact_key(cfg: LifecycleConfig, stage: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{cfg.name}-{stage}".lower()).strip("-")
+
+
 def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
     ws = Workspace.from_config(cfg)
     art = find_artifact(ws.store, ws.experiment, ref.stage, ref.fingerprint)
@@ -246,7 +252,7 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
     for name, meta in sorted(art.manifest.get("files", {}).items()):
         if "/" not in name and name.endswith(".md") and int(meta["size"]) <= 32_000:
             markdown += f"\n\n### {name}\n\n" + art.store.get_bytes(art.key(name)).decode("utf-8", "replace")
-    key = f"{cfg.name}-{ref.stage}".lower().replace("_", "-")
+    key = _artifact_key(cfg, ref.stage)
     create_markdown_artifact(markdown=markdown, key=key, description=f"{ref.stage} artifact {ref.fingerprint}")
     # the figures as a table the UI sorts and compares across runs, the MLflow run as a link
     rows = [{"figure": k, "value": v} for k, v in (ref.summary or {}).items() if isinstance(v, (int, float, str, bool))]
@@ -266,7 +272,7 @@ def stage_task(cfg: LifecycleConfig, stage: str, inputs: dict[str, ArtifactRef],
     slots = job_slots(cfg) if STAGES[stage].trains and (force or not is_committed(cfg, stage, inputs)) else None
     with _holding(slots, logger.info):
         ref = execute_stage(cfg, stage, inputs, parent_run_id=parent_run_id, force=force, log=logger.info,
-                            progress=progress_artifact(f"{cfg.name}-{stage}".lower().replace("_", "-") + "-progress"))
+                            progress=progress_artifact(_artifact_key(cfg, stage) + "-progress"))
     _publish(cfg, ref)
     if ref.cached:
         return Completed(name="Cached", message=f"{stage}: cache hit {ref.uri}", data=ref)

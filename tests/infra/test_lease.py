@@ -56,17 +56,17 @@ def test_of_many_takers_exactly_one_wins(store):
 
 
 def test_held_released_and_expired(store):
-    a, b = StoreLease(store, "l.json", ttl_s=1.5), StoreLease(store, "l.json", ttl_s=1.5)
+    a, b = StoreLease(store, "l.json", ttl_s=3.0), StoreLease(store, "l.json", ttl_s=3.0)
     assert a.try_acquire() and not b.try_acquire()
-    time.sleep(2.0)  # past the ttl, but a renews every ttl/3: still a's
+    time.sleep(4.0)  # past the ttl, but a renews every ttl/3 (2 s of slack for a slow renewal): still a's
     assert not b.try_acquire() and b.holder()["owner"] == a.owner
     a.release()
     assert b.try_acquire()  # released: free at once
     b._stop.set()  # b's process "dies": no more renewals, no release
     b._renewer.join()
-    c = StoreLease(store, "l.json", ttl_s=1.5)
+    c = StoreLease(store, "l.json", ttl_s=3.0)
     assert not c.try_acquire()
-    time.sleep(1.7)
+    time.sleep(3.2)
     assert c.try_acquire() and c.holder()["owner"] == c.owner  # expired: taken over
     assert not b.renew() and b.lost  # the old holder, back, learns it lost the lease
     b.release()  # does not free c's lease
