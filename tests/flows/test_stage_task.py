@@ -10,7 +10,8 @@ import time
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, FlowRunFilter,
+                                            FlowRunFilterId)
 from prefect.runtime import flow_run
 
 import tasks.stage as stage_module
@@ -48,7 +49,9 @@ def test_a_cache_hit_is_a_cached_state_and_tasks_carry_their_stage_tags(tmp_path
     assert first["uri"] in hit.state.message
     assert {"eightfold", "stage:data", "no-training"} <= set(ran.tags)
     with get_client(sync_client=True) as client:  # the stage's figures as a table artifact too
-        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["micro-data-figures"])))
+        # this flow run's: the session's Prefect server also holds earlier lifecycles' micro-data-figures
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["micro-data-figures"]), flow_run_id=ArtifactFilterFlowRunId(any_=[first_run])))
     rows = {row["figure"]: row["value"] for row in json.loads(tables[0].data)}
     assert tables[0].type == "table" and rows and rows.items() <= first["summary"].items()
 
@@ -116,12 +119,14 @@ def test_job_slots_default_to_one_on_the_local_launcher_only(tmp_path):
 
 def test_progress_reports_keep_one_progress_artifact_up_to_date(prefect_harness):
     @flow(name="progress-test")
-    def reports() -> None:
+    def reports() -> str:
         report = stage_module.progress_artifact("micro-pretrain-progress")
         report(0.25, "step 5/20")
         report(0.5, "step 10/20")
+        return str(flow_run.id)
 
-    reports()
+    run_id = reports()
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["micro-pretrain-progress"])))
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["micro-pretrain-progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
     assert [(a.type, float(a.data), a.description) for a in found] == [("progress", 50.0, "step 10/20")]
