@@ -122,6 +122,16 @@ class MetricsSink:
         if self._bar is not None:
             self._bar.update(n)
 
+    def _last_system_sample(self) -> None:
+        """One more sample as the job ends: the monitor publishes only after a full interval, so a job
+        shorter than one would have none (and the samples of a cut-short interval would be lost)."""
+        try:
+            self._system.collect_metrics()
+            self._system.publish_metrics(self._system.aggregate_metrics())
+            self._system.mlflow_logger.flush()
+        except Exception as exc:  # noqa: BLE001 - system metrics must never fail a finished job
+            print(f"trainer: last system metrics sample not logged: {exc}", file=sys.stderr)
+
     def log_params(self, params: dict) -> None:
         if self.enabled and self._logger is not None:
             self._logger.log_params(params)
@@ -129,6 +139,7 @@ class MetricsSink:
     def close(self) -> None:
         if self._system is not None:
             self._system.finish()
+            self._last_system_sample()
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
