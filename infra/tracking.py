@@ -30,6 +30,8 @@ MAX_PARAMS_PER_BATCH = 100
 
 PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "prefect.flow_run_id"
+# MLflow 3's UI opens an experiment in its GenAI view (traces) unless this tag says it holds training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -111,7 +113,8 @@ class Tracker:
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
             try:
-                return self.client.create_experiment(self.experiment, artifact_location=self.artifact_location)
+                return self.client.create_experiment(self.experiment, artifact_location=self.artifact_location,
+                                                     tags=dict([EXPERIMENT_KIND]))
             except MlflowException:
                 # Another process (a second rank, a parallel task) created it between our two calls.
                 exp = self.client.get_experiment_by_name(self.experiment)
@@ -119,6 +122,8 @@ class Tracker:
                     raise
         if exp.lifecycle_stage == "deleted":
             self.client.restore_experiment(exp.experiment_id)
+        if exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # made by an older eightfold or by hand
+            self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         return exp.experiment_id
 
     # --- runs ------------------------------------------------------------------------------------

@@ -92,6 +92,20 @@ def test_nested_runs_read_back(search_uri, tmp_path, request):
     assert open(got).read() == "hello"
 
 
+def test_experiment_opens_in_the_training_view(sqlite_uri, tmp_path):
+    """MLflow 3's UI shows an experiment as GenAI (traces) unless it is tagged as model development;
+    ours are tagged when created, and one made elsewhere without the tag gets it on first use."""
+    from infra.tracking import EXPERIMENT_KIND
+
+    client = MlflowClient(sqlite_uri)
+    made_here = Tracker(sqlite_uri, f"kind-new-{tmp_path.name}").experiment_id
+    foreign = client.create_experiment(f"kind-old-{tmp_path.name}")
+    assert client.get_experiment(foreign).tags.get(EXPERIMENT_KIND[0]) is None
+    assert Tracker(sqlite_uri, f"kind-old-{tmp_path.name}").experiment_id == foreign
+    for exp_id in (made_here, foreign):
+        assert client.get_experiment(exp_id).tags[EXPERIMENT_KIND[0]] == "custom_model_development"
+
+
 def test_runlogger_buffers_and_flushes(search_uri, tmp_path):
     tracker = Tracker(search_uri, f"runlogger-{tmp_path.name}")
     run_id = tracker.start_run("pretrain")
