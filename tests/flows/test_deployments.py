@@ -5,18 +5,16 @@ worker and it completes with `data` a cache hit; a per-stage deployment then run
 the committed upstream artifacts. Server, worker and flow-run processes are stopped at the end."""
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import yaml
 
+from fixtures.processes import free_port, start_process, stop_process_group, wait_flow_run_final
 from flows.deploy import KUBERNETES_POOL, PROCESS_POOL, ROOT, deploy_command, render_prefect_yaml
 from stages.registry import STAGES
 
@@ -84,53 +82,17 @@ def test_compose_file_is_consistent():
 # --- a real server and worker ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    # Own session: the process group takes the server's uvicorn and the worker's flow-run children.
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> list[psutil.Process]:
-    """SIGTERM the process group (and any child that left it), SIGKILL what is left after 15 s;
-    returns the processes still alive afterwards (none expected)."""
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        for p in family:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(family, timeout=15)
-        if not alive:
-            break
-    proc.wait(timeout=10)
-    return [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-
 @pytest.fixture
 def prefect_server(tmp_path, monkeypatch):
     """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields (api_url, env)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_LEVEL="INFO")
-    server = _start([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
+    server = start_process([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
                      "--no-ui", "--analytics-off"], env, tmp_path / "server.log")
     deadline = time.monotonic() + 120
     try:
@@ -150,19 +112,8 @@ def prefect_server(tmp_path, monkeypatch):
         with temporary_settings(updates={PREFECT_API_URL: api}):
             yield api, env
     finally:
-        left = _stop(server)
+        left = stop_process_group(server)
         assert not left, f"server processes left behind: {left}"
-
-
-def _wait_final(client, run_id, timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        run = client.read_flow_run(run_id)
-        if run.state and run.state.is_final():
-            return run
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"flow run {run_id} still {run.state.name if run.state else None} after {timeout} s")
-        time.sleep(1)
 
 
 def _flow_run_log(client, run_id, expect: str | None = None, wait_s: float = 30.0) -> str:
@@ -191,7 +142,7 @@ def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
     api, env = prefect_server
     t0 = time.monotonic()
     assert deploy_command(pool=PROCESS_POOL, cron="0 2 * * *", config="micro") == 0
-    worker = _start([sys.executable, "-m", "prefect", "worker", "start", "--pool", PROCESS_POOL, "--type", "process",
+    worker = start_process([sys.executable, "-m", "prefect", "worker", "start", "--pool", PROCESS_POOL, "--type", "process",
                      "--name", "test-worker"], {**env, "PREFECT_WORKER_QUERY_SECONDS": "1"}, tmp_path / "worker.log")
     try:
         # A Kubernetes pool too (created with the kubernetes worker's default job template): only registered.
@@ -229,7 +180,7 @@ def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
         run = run_deployment(f"lifecycle/{PROCESS_POOL}", parameters={"config": "micro", "stages": ["data", "tokenizer"]},
                              job_variables={"env": run_env}, timeout=0)
         with get_client(sync_client=True) as client:
-            failed = _wait_final(client, run.id, 120)
+            failed = wait_flow_run_final(client, run.id, 120)
             assert failed.state.is_failed(), f"{failed.state}: {_flow_run_log(client, run.id)}"
             assert "injected fault" in _flow_run_log(client, run.id, expect="injected fault")
         print(f"first run failed at {time.monotonic() - t0:.1f}s")
@@ -242,7 +193,7 @@ def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
                                cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert retry.returncode == 0, retry.stdout + retry.stderr
         with get_client(sync_client=True) as client:
-            done = _wait_final(client, run.id, 120)
+            done = wait_flow_run_final(client, run.id, 120)
             assert done.state.is_completed(), f"{done.state}: {_flow_run_log(client, run.id)}"
             assert done.run_count >= 2
         print(f"retried run completed at {time.monotonic() - t0:.1f}s")
@@ -268,12 +219,12 @@ def test_deploy_run_fail_retry_and_stage_run(prefect_server, tmp_path):
         srun = run_deployment(f"stage-tokens/{PROCESS_POOL}", parameters={"config": "micro"},
                               job_variables={"env": clean_env}, timeout=0)
         with get_client(sync_client=True) as client:
-            sdone = _wait_final(client, srun.id, 120)
+            sdone = wait_flow_run_final(client, srun.id, 120)
             assert sdone.state.is_completed(), f"{sdone.state}: {_flow_run_log(client, srun.id)}"
         tokens = list_artifacts(store, "micro", "tokens")
         assert len(tokens) == 1
         assert tokens[0].inputs == {"data": data_arts[0].fingerprint, "tokenizer": tok[0].fingerprint}
         print(f"stage run completed at {time.monotonic() - t0:.1f}s")
     finally:
-        left = _stop(worker)
+        left = stop_process_group(worker)
         assert not left, f"worker processes left behind: {left}"
