@@ -185,7 +185,7 @@ def _pack_split(doc_tokens: DocTokens, order: list[int], out: Path, seq_len: int
                 shard_mb: float, name: str) -> dict:
     row_bytes = (seq_len + 1) * token_dtype(vocab).itemsize
     writer = PackedShardWriter(out, seq_len, vocab, eos_id, rows_per_shard=max(1, int(shard_mb * 2**20 // row_bytes)))
-    total = int(sum(int(doc_tokens.lengths[i]) + 1 for i in order))  # + EOS per document, as the writer adds it
+    total = int((doc_tokens.lengths[np.asarray(order, dtype=np.int64)] + 1).sum())  # with an EOS per document
     with progress_bar(total, f"tokens pack {name}", "tok", unit_scale=True) as bar:
         for i in order:
             ids = doc_tokens[i]
