@@ -11,6 +11,7 @@ EOS after each document and the chat template writes BOS and the role markers it
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -93,9 +94,12 @@ def train_bpe(texts, vocab_size: int, min_frequency: int):
         min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is ever unknown
-        show_progress=False,
+        # The library's own bars (Rust, indicatif): documents read, words, pair counts, merges. They draw
+        # on file descriptor 2 only when it is a terminal, but each phase still prints an empty line to
+        # stdout; so they are asked for only on a terminal, and CI and Prefect workers' logs get nothing.
+        show_progress=os.isatty(2),
     )
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(texts, trainer, length=len(texts) if hasattr(texts, "__len__") else None)
     return tok
 
 

@@ -11,9 +11,11 @@ lifecycle and `eightfold stage ablations` map proxies concurrently while a noteb
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from stages.ablations.proxies import ProxyPoint
@@ -27,11 +29,17 @@ def proxy_task(job: ProxyJob, point: dict) -> dict:
     return run_proxy(job, ProxyPoint.from_dict(point), log=logger.info).as_dict()
 
 
-def run_proxies_prefect(job: ProxyJob, points: list[ProxyPoint]) -> list[ProxyResult]:
-    """Every proxy as a task, `job.concurrency` at a time; results in the order of `points`."""
+def run_proxies_prefect(job: ProxyJob, points: list[ProxyPoint],
+                        done: Callable[[ProxyResult], None] | None = None) -> list[ProxyResult]:
+    """Every proxy as a task, `job.concurrency` at a time; results in the order of `points`, `done`
+    called as each task finishes."""
     with ThreadPoolTaskRunner(max_workers=job.concurrency) as runner:
         futures = [runner.submit(proxy_task.with_options(task_run_name=f"proxy-{p.name}"),
                                  {"job": job, "point": p.as_dict()}) for p in points]
+        for finished in as_completed(futures):
+            result = ProxyResult(**finished.result())  # a failed proxy raises as soon as it ends
+            if done is not None:
+                done(result)
         return [ProxyResult(**f.result()) for f in futures]
 
 

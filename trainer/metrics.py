@@ -101,9 +101,9 @@ class MetricsSink:
                                                         resume_logging=True, tracking_uri=tracking_uri)
                     self._system.start()
         if progress:
-            from tqdm.auto import tqdm
+            from infra.progress import progress_bar
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, mininterval=2.0)
+            self._bar = progress_bar(total_steps, "train", "step")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

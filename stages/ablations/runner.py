@@ -77,7 +77,9 @@ class ProxyResult:
         return ProxyPoint.from_dict(self.point)
 
 
-RunProxies = Callable[[ProxyJob, list[ProxyPoint]], list[ProxyResult]]
+# runner(job, points, done=None) -> results in the order of `points`; `done(result)` is called as each
+# proxy finishes (the stage's progress bar), in whatever order they finish.
+RunProxies = Callable[..., list[ProxyResult]]
 
 
 def tokens_fingerprint(tokens_dir: Path, tokens_uri: str) -> str:
@@ -183,9 +185,15 @@ def run_proxy(job: ProxyJob, point: ProxyPoint, log: Callable[[str], None] = pri
                        cached=False, mlflow_run_id=run_id, started=started, ended=time.time(), point=point.as_dict())
 
 
-def run_proxies_sequential(job: ProxyJob, points: list[ProxyPoint], log: Callable[[str], None] = print) -> list[ProxyResult]:
+def run_proxies_sequential(job: ProxyJob, points: list[ProxyPoint], log: Callable[[str], None] = print,
+                           done: Callable[[ProxyResult], None] | None = None) -> list[ProxyResult]:
     """The default runner (a notebook, a test): one proxy after the other in this process."""
-    return [run_proxy(job, p, log) for p in points]
+    results = []
+    for p in points:
+        results.append(run_proxy(job, p, log))
+        if done is not None:
+            done(results[-1])
+    return results
 
 
 def default_concurrency(cfg: LifecycleConfig) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from infra.config import LifecycleConfig
+from infra.progress import progress_bar
 
 from ..base import StageContext
 from .choice import CHOICE_FILE, apply_choice
@@ -201,7 +202,8 @@ def run(ctx: StageContext, run_proxies: RunProxies | None = None,
                    concurrency=default_concurrency(cfg), threads=cfg.ablations.threads_per_proxy)
     runner = run_proxies or _RUNNER or run_proxies_sequential
     log(f"ablations: {len(points)} proxies over {len({p.size for p in points})} sizes, {job.concurrency} at a time")
-    results = runner(job, points)
+    with progress_bar(len(points), "ablations", "proxy") as bar:  # a tick per proxy finished (or found cached)
+        results = runner(job, points, done=lambda _result: bar.update())
     if sorted(r.name for r in results) != sorted(p.name for p in points):
         raise RuntimeError(f"ablations: the proxy runner returned {len(results)} results for {len(points)} proxies")
 

@@ -14,6 +14,7 @@ import hashlib
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -108,9 +109,11 @@ class NearDupResult:
     rows: int
 
 
-def near_duplicates(signatures: np.ndarray, threshold: float) -> NearDupResult:
+def near_duplicates(signatures: np.ndarray, threshold: float,
+                    advance: Callable[[int], object] | None = None) -> NearDupResult:
     """Greedy in document order: a document is dropped when it matches (estimated Jaccard >= threshold) an
-    earlier kept document sharing one of its LSH buckets; so of every near-duplicate cluster the first stays."""
+    earlier kept document sharing one of its LSH buckets; so of every near-duplicate cluster the first stays.
+    `advance(1)` is called as each document is taken up (a progress bar's update)."""
     n, num_perm = signatures.shape
     # Candidates are verified against the signatures below, so a false positive costs one comparison while a
     # false negative loses a duplicate: weigh misses 4:1 (at 0.8 and 128 permutations: 12 bands of 10 rows).
@@ -121,6 +124,8 @@ def near_duplicates(signatures: np.ndarray, threshold: float) -> NearDupResult:
     band_keys = [signatures[:, k * rows:(k + 1) * rows] for k in range(bands)]
     candidates = 0
     for i in range(n):
+        if advance is not None:
+            advance(1)
         keys = [band_keys[k][i].tobytes() for k in range(bands)]
         seen: set[int] = set()
         for k, key in enumerate(keys):

@@ -24,11 +24,13 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from infra.progress import progress_bar
 from trainer.shards import PackedShardWriter, token_dtype
 
 from ..base import StageContext
@@ -68,16 +70,40 @@ class EncodeBatch:
                 "n_bytes": [len(t.encode("utf-8", "surrogatepass")) for t in texts]}
 
 
-def tokenize_split(files: list[Path], tokenizer_file: Path, num_proc: int, cache_dir: Path):
+@contextmanager
+def map_progress(desc: str):
+    """datasets.map's own progress, drawn as our bar (infra/progress.py) in documents: map advances its
+    bar as each worker of the pool reports batches done, so the bar moves while the pool works. Its bar
+    class is swapped for ours for the duration of one map call (datasets' other bars stay silenced by
+    quiet_datasets); the swap is module-wide, as stages/evaluate/run.py's for lm-eval is."""
+    import datasets.arrow_dataset as arrow_dataset
+
+    def bar(*_args, total=None, initial=0, **_kwargs):
+        return progress_bar(total, desc, "doc", initial=initial)
+
+    original = getattr(arrow_dataset, "hf_tqdm", None)
+    if original is None:  # a datasets that renamed it: no bar rather than a failed stage (a test notices)
+        yield
+        return
+    arrow_dataset.hf_tqdm = bar
+    try:
+        yield
+    finally:
+        arrow_dataset.hf_tqdm = original
+
+
+def tokenize_split(files: list[Path], tokenizer_file: Path, num_proc: int, cache_dir: Path, name: str = "split"):
     """A datasets.Dataset with columns id, source, ids (int32), n_bytes, in stored order."""
     import datasets
 
     ds = datasets.Dataset.from_parquet([str(f) for f in files], cache_dir=str(cache_dir))
     features = datasets.Features({"id": datasets.Value("string"), "source": datasets.Value("string"),
                                   "ids": datasets.List(datasets.Value("int32")), "n_bytes": datasets.Value("int64")})
-    return ds.map(EncodeBatch(str(tokenizer_file)), batched=True, batch_size=256, num_proc=max(1, min(num_proc, len(ds))),
-                  remove_columns=[c for c in ds.column_names if c not in ("id", "source")], features=features,
-                  desc="tokenize")
+    with map_progress(f"tokens tokenize {name}"):
+        return ds.map(EncodeBatch(str(tokenizer_file)), batched=True, batch_size=256,
+                      num_proc=max(1, min(num_proc, len(ds))),
+                      remove_columns=[c for c in ds.column_names if c not in ("id", "source")], features=features,
+                      desc="tokenize")
 
 
 class DocTokens:
@@ -159,8 +185,12 @@ def _pack_split(doc_tokens: DocTokens, order: list[int], out: Path, seq_len: int
                 shard_mb: float, name: str) -> dict:
     row_bytes = (seq_len + 1) * token_dtype(vocab).itemsize
     writer = PackedShardWriter(out, seq_len, vocab, eos_id, rows_per_shard=max(1, int(shard_mb * 2**20 // row_bytes)))
-    for i in order:
-        writer.add(doc_tokens[i])
+    total = int((doc_tokens.lengths[np.asarray(order, dtype=np.int64)] + 1).sum())  # with an EOS per document
+    with progress_bar(total, f"tokens pack {name}", "tok", unit_scale=True) as bar:
+        for i in order:
+            ids = doc_tokens[i]
+            writer.add(ids)
+            bar.update(len(ids) + 1)
     index = writer.close()
     if index["rows"] == 0:
         shutil.rmtree(out, ignore_errors=True)
@@ -196,7 +226,7 @@ def run_pack(ctx: StageContext) -> dict[str, Any]:
         split_rows = []
         for split, folder in SPLITS.items():
             with quiet_datasets():
-                ds = tokenize_split(files[split], tok_dir / "tokenizer.json", cfg.num_proc, cache)
+                ds = tokenize_split(files[split], tok_dir / "tokenizer.json", cfg.num_proc, cache, split)
             docs = DocTokens(ds)
             ids, sources = ds["id"], ds["source"]
             lengths = docs.lengths.astype(np.int64)

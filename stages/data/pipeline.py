@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from infra.config.data import DataConfig
+from infra.progress import progress_bar
 
 from ..base import StageContext
 from .card import DataCard, quiet_datasets
@@ -28,6 +31,7 @@ from .sources import DataSourceError, SourceReader, validate_source
 from .split import assign_validation
 
 COLUMNS = ("id", "source", "origin", "text")
+SIGNATURE_SLICE = 1024  # documents per MinHash call: the near-dedup bar moves once per slice
 
 
 @dataclass
@@ -71,17 +75,20 @@ class StepLog:
         }
 
 
-def _run_step(name: str, docs: list[Kept], fn) -> tuple[list[Kept], StepLog]:
-    """Apply fn(doc) -> (doc or None, drop reason) to every document and log what it did."""
+def _run_step(name: str, docs: list[Kept], fn, progress: bool = True) -> tuple[list[Kept], StepLog]:
+    """Apply fn(doc) -> (doc or None, drop reason) to every document and log what it did; a progress
+    bar named after the step counts documents (`progress=False` for a step too cheap to show)."""
     log = StepLog(name, docs_in=len(docs), bytes_in=sum(d.nbytes for d in docs))
     out = []
-    for d in docs:
-        new, reason = fn(d)
-        if new is None:
-            log.note(reason, d.origin, d.source)
-        else:
-            out.append(new)
-            log.per_source_out[new.source] += 1
+    with progress_bar(len(docs), f"data {name}", "doc", enabled=progress) as bar:
+        for d in docs:
+            new, reason = fn(d)
+            if new is None:
+                log.note(reason, d.origin, d.source)
+            else:
+                out.append(new)
+                log.per_source_out[new.source] += 1
+            bar.update()
     log.docs_out, log.bytes_out = len(out), sum(d.nbytes for d in out)
     return out, log
 
@@ -200,11 +207,21 @@ def run_clean(ctx: StageContext) -> dict[str, Any]:
     if cfg.dedup.near and docs:
         t = time.perf_counter()
         hasher = MinHasher(cfg.dedup.num_perm)
-        sigs = hasher.signatures([shingle_hashes(d.text, cfg.dedup.shingle) for d in docs])
-        res = near_duplicates(sigs, cfg.dedup.threshold)
+        # Two passes, each with its bar: MinHash signatures (a document's signature depends on it alone,
+        # so they are computed a slice at a time and the bar moves per slice), then LSH bucketing.
+        with progress_bar(len(docs), "data near_dedup minhash", "doc") as bar:
+            parts = []
+            for k in range(0, len(docs), SIGNATURE_SLICE):
+                part = docs[k:k + SIGNATURE_SLICE]
+                parts.append(hasher.signatures([shingle_hashes(d.text, cfg.dedup.shingle) for d in part]))
+                bar.update(len(part))
+            sigs = np.concatenate(parts)
+        with progress_bar(len(docs), "data near_dedup lsh", "doc") as bar:
+            res = near_duplicates(sigs, cfg.dedup.threshold, advance=bar.update)
         keep = {i for i in range(len(docs)) if res.keep[i]}
         index = {id(d): i for i, d in enumerate(docs)}
-        docs, log = _run_step("near_dedup", docs, lambda d: (d, "") if index[id(d)] in keep else (None, "near_duplicate"))
+        docs, log = _run_step("near_dedup", docs, lambda d: (d, "") if index[id(d)] in keep else (None, "near_duplicate"),
+                              progress=False)
         steps.append(log)
         near_info = {"bands": res.bands, "rows": res.rows, "candidate_pairs": res.candidate_pairs,
                      "seconds": round(time.perf_counter() - t, 3)}

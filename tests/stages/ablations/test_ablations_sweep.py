@@ -8,6 +8,7 @@ import mlflow
 import pytest
 from prefect import flow
 
+from fixtures.progress import final
 from fixtures.trainer_data import make_tokens, tiny_config
 from infra.artifacts import commit_artifact, find_artifact
 from infra.workspace import Workspace
@@ -47,7 +48,7 @@ def _max_overlap(results):
     return most
 
 
-def test_sweep_runs_proxies_through_prefect_and_widens_incrementally(tmp_path, prefect_harness):
+def test_sweep_runs_proxies_through_prefect_and_widens_incrementally(tmp_path, prefect_harness, capsys):
     cfg = sweep_config(tmp_path, LRS)
     ws = Workspace.from_config(cfg)
     tokens = make_tokens(tmp_path / "tokens-src")
@@ -56,6 +57,8 @@ def test_sweep_runs_proxies_through_prefect_and_widens_incrementally(tmp_path, p
 
     ref = ablations_flow(cfg, tokens_ref)
     assert ref.summary["proxies"] == 6 and ref.summary["proxies_trained"] == 6
+    bar = final(capsys.readouterr().err, "ablations")  # the sweep's progress bar, a tick per proxy
+    assert (bar.n, bar.total, bar.unit) == ("6", "6", "proxy")
     stage_art = find_artifact(ws.store, ws.experiment, "ablations", ref.fingerprint)
     out = stage_art.download(tmp_path / "first")
     choice = json.loads((out / "choice.json").read_text())
@@ -80,6 +83,8 @@ def test_sweep_runs_proxies_through_prefect_and_widens_incrementally(tmp_path, p
     ref2 = ablations_flow(wider, tokens_ref)
     assert ref2.fingerprint != ref.fingerprint
     assert (ref2.summary["proxies"], ref2.summary["proxies_trained"], ref2.summary["proxies_cached"]) == (9, 3, 6)
+    bar = final(capsys.readouterr().err, "ablations")  # cached proxies count too
+    assert (bar.n, bar.total, bar.unit) == ("9", "9", "proxy")
     proxies = client.search_runs([exp], "tags.stage = 'ablations/proxy'")
     assert len(proxies) == 9
     new = [r for r in proxies if r.data.params["proxy.lr"] == "0.03"]
