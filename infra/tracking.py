@@ -27,7 +27,6 @@ import os
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 from urllib.parse import urlparse
@@ -50,7 +49,7 @@ BUILT_BY_TAG = "built_by_run_id"
 BUILT_BY_URL_TAG = "built_by_run_url"
 SYSTEM_METRICS_PREFIX = "system/"  # MLflow's system metrics: the builder's machine, not the stage's result
 CHECKPOINT_MODEL_TYPE = "checkpoint"
-RECENT_VALUES = 64  # per metric: a checkpoint commits a few steps after its own, in the background
+RECENT_VALUES = 256  # per metric: a checkpoint commits some steps after its own, in the background
 
 
 def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -231,12 +230,11 @@ class Tracker:
             if built is not None:
                 if built.data.params:
                     self.log_params(run_id, built.data.params)
-                # the latest value of each metric with its step (RunData keeps the Metric objects)
-                latest = getattr(built.data, "_metric_objs", None) or [
-                    _Latest(k, v, 0, _now_ms()) for k, v in built.data.metrics.items()]
-                rows = [(m.key, m.value, m.step, m.timestamp) for m in latest
-                        if not m.key.startswith(SYSTEM_METRICS_PREFIX)]
-                _log_metric_batch(self.client, run_id, rows)
+                # the latest value of each metric at its own step: RunData keeps the Metric objects, its
+                # public `metrics` only the values (step 0 then, should a later MLflow drop the objects)
+                latest = [(m.key, m.value, m.step, m.timestamp) for m in getattr(built.data, "_metric_objs", [])] \
+                    or [(k, v, 0, _now_ms()) for k, v in built.data.metrics.items()]
+                _log_metric_batch(self.client, run_id, [r for r in latest if not r[0].startswith(SYSTEM_METRICS_PREFIX)])
         return run_id
 
     def run_url(self, run_id: str) -> str:
@@ -293,14 +291,6 @@ def _user() -> str:
         return getpass.getuser()
     except Exception:  # no passwd entry in some containers
         return os.environ.get("USER", "unknown")
-
-
-@dataclass(frozen=True)
-class _Latest:
-    key: str
-    value: float
-    step: int
-    timestamp: int
 
 
 def _log_metric_batch(client, run_id: str, rows: list[tuple[str, float, int, int]], model_id: str | None = None) -> None:
