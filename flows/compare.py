@@ -3,8 +3,11 @@
 A run is named by its MLflow run id, the Prefect flow-run id it is tagged with, or its run name.
 What differs in the config comes from the parent runs' params (the flattened config); the figures
 come from each stage's MLflow run, read generically (whatever metrics the stage logged: final loss,
-eval table cells, serving latency...). A stage that was a cache hit in a lifecycle run has no nested
-run there: the parent's `stage.<name>.fingerprint` tag leads to the run that made that artifact.
+eval table cells, serving latency...). A stage that was a cache hit in a lifecycle run has a nested
+run there tagged `cached` (a copy of the builder's final figures, infra.tracking.Tracker.cached_stage_run);
+the parent's `stage.<name>.fingerprint` tag leads to the run that made that artifact, whose figures and
+nested runs (evaluate's variants) are shown, marked cached. Older lifecycle runs, with no nested run
+for a cache hit, read the same way.
 """
 
 from __future__ import annotations
@@ -92,7 +95,9 @@ def _stage_runs(client, parent) -> dict[str, object]:
     found: dict[str, object] = {}
     children = client.search_runs(ids, f"tags.`{PARENT_TAG}` = {_quote(parent.info.run_id)}",
                                   order_by=["attributes.start_time ASC"])
-    for run in children:  # later attempts (a retried task) replace earlier ones; a finished run wins
+    # later attempts (a retried task) replace earlier ones; a finished run wins. A cache hit's run carries
+    # no `fingerprint` tag, so below it gives way to the run that built the artifact (when it is there).
+    for run in children:
         stage = run.data.tags.get("stage") or run.info.run_name
         if stage not in found or run.info.status == "FINISHED" or found[stage].info.status != "FINISHED":
             found[stage] = run
@@ -117,8 +122,8 @@ def _view(client, run) -> RunView:
     if not stages and run.data.tags.get("stage"):  # a stage run given directly
         stages = {run.data.tags["stage"]: run}
     for stage, srun in stages.items():
-        view.stages[stage] = {"run_id": srun.info.run_id, "status": srun.info.status,
-                              "cached": run.data.tags.get(f"stage.{stage}.status") == "cached",
+        cached = run.data.tags.get(f"stage.{stage}.status") == "cached" or srun.data.tags.get("cached") == "true"
+        view.stages[stage] = {"run_id": srun.info.run_id, "status": srun.info.status, "cached": cached,
                               "metrics": _numeric(srun.data.metrics)}
         # Nested runs under a stage run (evaluate: one per model variant) are rows of their own.
         for sub in client.search_runs([srun.info.experiment_id], f"tags.`{PARENT_TAG}` = {_quote(srun.info.run_id)}",

@@ -5,6 +5,17 @@ log into the same run by passing its id around. The experiment is the config `na
 run is a parent run (tagged with the Prefect flow run id) and each stage is a nested run under it
 (tag `mlflow.parentRunId`, the tag MLflow's own UI uses to draw the tree), tagged with its stage and
 fingerprint. Params come flattened from the config; metrics are per step.
+
+A stage that is a cache hit in a lifecycle run still gets a nested run there (`cached_stage_run`),
+so MLflow's compare view of two lifecycle runs has a column for every stage. It is tagged
+`cached=true` and carries the fingerprint as `cached_fingerprint`, never as `fingerprint`: the
+`fingerprint` tag means "this run built that artifact", and every search for a builder
+(`tags.fingerprint = ...`) keeps finding only builders without having to know about cached runs (a
+`tags.cached != 'true'` filter would not do: MLflow drops runs that lack the tag from such a match).
+
+Each checkpoint a training job commits becomes one of MLflow 3's LoggedModels (`RunLogger.
+log_checkpoint_model`): an external model (the weights stay in the object store) whose source is the
+stage's run, with the step's training metrics linked to it.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -32,6 +44,14 @@ PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 # MLflow 3's UI opens an experiment in its GenAI view (traces) unless this tag says it holds training runs.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
+CACHED_TAG = "cached"
+CACHED_FINGERPRINT_TAG = "cached_fingerprint"
+BUILT_BY_TAG = "built_by_run_id"
+BUILT_BY_URL_TAG = "built_by_run_url"
+SYSTEM_METRICS_PREFIX = "system/"  # MLflow's system metrics: the builder's machine, not the stage's result
+CHECKPOINT_MODEL_TYPE = "checkpoint"
+RECENT_VALUES = 256  # per metric: a checkpoint commits some steps after its own, in the background
 
 
 def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -191,6 +211,37 @@ class Tracker:
     def log_text(self, run_id: str, text: str, file_name: str) -> None:
         self.client.log_text(run_id, text, file_name)
 
+    def cached_stage_run(self, stage: str, fingerprint: str, parent_run_id: str, built_by_run_id: str | None,
+                         artifact_uri: str) -> str:
+        """A cache hit's nested run under this lifecycle run, FINISHED at once: tagged `cached=true`,
+        `cached_fingerprint` (not `fingerprint`: see the module docstring) and the run that built the
+        artifact (its id, and its page when tracking is a server), with that run's params and the final
+        value of each of its metrics at the step it was logged. A builder run that cannot be read (a
+        tracking database started afresh under an old store) leaves the links and a warning, no copy."""
+        tags = {"stage": stage, CACHED_TAG: "true", CACHED_FINGERPRINT_TAG: fingerprint, "artifact_uri": artifact_uri,
+                NOTE_TAG: f"Cache hit: {stage} {fingerprint} was built earlier"
+                          + (f" by run {built_by_run_id}" if built_by_run_id else "") + f"; artifact {artifact_uri}"}
+        built = None
+        if built_by_run_id:
+            tags[BUILT_BY_TAG] = built_by_run_id
+            if urlparse(self.uri).scheme in ("http", "https"):
+                tags[BUILT_BY_URL_TAG] = self.run_url(built_by_run_id)
+            try:
+                built = self.client.get_run(built_by_run_id)
+            except Exception as exc:  # noqa: BLE001 - the cached run still says where the artifact came from
+                log.warning("%s: the run %s that built %s cannot be read (%s): its metrics are not copied",
+                            stage, built_by_run_id, fingerprint, exc)
+        with self.run(f"{stage}-{fingerprint[:8]}-cached", parent_run_id, tags) as run_id:
+            if built is not None:
+                if built.data.params:
+                    self.log_params(run_id, built.data.params)
+                # the latest value of each metric at its own step: RunData keeps the Metric objects, its
+                # public `metrics` only the values (step 0 then, should a later MLflow drop the objects)
+                latest = [(m.key, m.value, m.step, m.timestamp) for m in getattr(built.data, "_metric_objs", [])] \
+                    or [(k, v, 0, _now_ms()) for k, v in built.data.metrics.items()]
+                _log_metric_batch(self.client, run_id, [r for r in latest if not r[0].startswith(SYSTEM_METRICS_PREFIX)])
+        return run_id
+
     def run_url(self, run_id: str) -> str:
         """Where a person looks: the UI page for a server, the run id and `mlflow ui` for a file."""
         if urlparse(self.uri).scheme in ("http", "https"):
@@ -247,10 +298,12 @@ def _user() -> str:
         return os.environ.get("USER", "unknown")
 
 
-def _log_metric_batch(client, run_id: str, rows: list[tuple[str, float, int, int]]) -> None:
+def _log_metric_batch(client, run_id: str, rows: list[tuple[str, float, int, int]], model_id: str | None = None) -> None:
+    """`model_id`: the values are linked to that LoggedModel too (and land in the run as well, where rows
+    equal to ones already there, same key, value, step and timestamp, are not stored twice)."""
     from mlflow.entities import Metric
 
-    metrics = [Metric(key[:MAX_KEY], value, ts, step) for key, value, step, ts in rows]
+    metrics = [Metric(key[:MAX_KEY], value, ts, step, model_id=model_id) for key, value, step, ts in rows]
     for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
 
@@ -277,6 +330,9 @@ class RunLogger:
         self.enabled = bool(uri and run_id)
         self.flush_every, self.flush_seconds, self.max_buffer = flush_every, flush_seconds, max_buffer
         self._buffer: list[tuple[str, float, int, int]] = []
+        # the last values of each metric (value, step, timestamp): what a checkpoint's LoggedModel links
+        self._recent: dict[str, deque[tuple[float, int, int]]] = {}
+        self._run_info: tuple[str, dict[str, str]] | None = None  # experiment id, tags of the run
         self._last_flush = time.monotonic()
         self._client = _client(uri) if self.enabled else None
         self.dropped = 0
@@ -289,7 +345,9 @@ class RunLogger:
             raise RuntimeError("RunLogger.log_metrics after close()")
         ts = _now_ms()
         for key, value in metrics.items():
-            self._buffer.append((key, _as_float(value), int(step or 0), ts))
+            row = (key, _as_float(value), int(step or 0), ts)
+            self._buffer.append(row)
+            self._recent.setdefault(key, deque(maxlen=RECENT_VALUES)).append(row[1:])
         if len(self._buffer) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
@@ -316,6 +374,67 @@ class RunLogger:
                 self._client.log_artifact(self.run_id, str(path), artifact_path)
         except Exception as exc:
             log.warning("MLflow log_artifact %s into run %s failed: %s", path, self.run_id, exc)
+
+    def log_checkpoint_model(self, step: int, checkpoint_uri: str, stage: str) -> str | None:
+        """A committed checkpoint as MLflow 3's LoggedModel, returning its id (None when tracking is off
+        or MLflow failed: a warning, never an error, as for metrics). An external model, as
+        `mlflow.create_external_model` makes one: the weights stay in the object store and MLflow holds
+        the record (and the MLmodel file that lets the registry take it), named `STAGE-step-N`, its
+        source the stage's run, with step, checkpoint URI and the stage's fingerprint as tags and params,
+        the run's latest value of each metric at or before `step` linked to it (the model page's
+        metrics), and the run's outputs naming it at that step."""
+        if not self.enabled:
+            return None
+        model_id = None
+        try:
+            from mlflow.entities import LoggedModelOutput
+
+            self.flush()  # the run's own rows first; the linked copies below are the same rows
+            experiment_id, run_tags = self._run_tags()
+            stage = run_tags.get("stage") or stage
+            fingerprint = run_tags.get("fingerprint", "")
+            about = {"stage": stage, "step": str(step), "checkpoint_uri": checkpoint_uri, "fingerprint": fingerprint}
+            model = self._client.create_logged_model(
+                experiment_id, name=f"{stage.replace('/', '-')}-step-{step}", source_run_id=self.run_id,
+                tags={**about, "mlflow.model.isExternal": "true"}, params=about, model_type=CHECKPOINT_MODEL_TYPE)
+            model_id = model.model_id
+            self._client.log_outputs(self.run_id, [LoggedModelOutput(model_id, step)])
+            rows = []
+            for key, values in self._recent.items():
+                at = [v for v in values if v[1] <= step]
+                if at:
+                    value, at_step, ts = at[-1]
+                    rows.append((key, value, at_step, ts))
+            _log_metric_batch(self._client, self.run_id, rows, model_id=model_id)
+            self._write_mlmodel(model)
+            self._client.finalize_logged_model(model_id, "READY")
+            return model_id
+        except Exception as exc:  # noqa: BLE001 - a tracking failure must never end a training run
+            log.warning("MLflow LoggedModel for checkpoint step %d (%s) in run %s failed: %s", step, checkpoint_uri,
+                        self.run_id, exc)
+            if model_id is not None:
+                try:
+                    self._client.finalize_logged_model(model_id, "FAILED")
+                except Exception:  # noqa: BLE001 - already warned
+                    pass
+            return None
+
+    def _run_tags(self) -> tuple[str, dict[str, str]]:
+        if self._run_info is None:
+            run = self._client.get_run(self.run_id)
+            self._run_info = (run.info.experiment_id, dict(run.data.tags))
+        return self._run_info
+
+    def _write_mlmodel(self, model) -> None:
+        """MLflow's own spec of an external model (what `create_external_model` uploads): a few hundred
+        bytes that let `models:/<model_id>` be registered; no weights."""
+        import tempfile
+
+        from mlflow.models.utils import get_external_mlflow_model_spec
+
+        with tempfile.TemporaryDirectory() as tmp:
+            get_external_mlflow_model_spec(model).save(os.path.join(tmp, "MLmodel"))
+            self._client.log_model_artifacts(model.model_id, tmp)
 
     def flush(self) -> bool:
         """Send what is buffered; True when the buffer is empty afterwards."""

@@ -1,5 +1,6 @@
 """One stage call with the machinery every stage shares: fingerprint, cache by committed manifest,
-an MLflow nested run, commit of the output, and a Prefect markdown artifact with links."""
+an MLflow nested run (a cache hit gets one too, tagged cached), commit of the output, and a Prefect
+markdown artifact with links."""
 
 from __future__ import annotations
 
@@ -139,12 +140,12 @@ def execute_stage(
     fp = stage_fingerprint(cfg, stage, inputs)
     existing = find_artifact(ws.store, ws.experiment, stage, fp)
     if existing is not None and not force:
-        return _cache_hit(stage, fp, existing, log)
+        return _cache_hit(ws, stage, fp, existing, parent_run_id, log)
     lease = StoreLease(ws.store, lease_key(ws.experiment, stage, fp))
     waiting = False
     while not lease.try_acquire():
         if not force and (done := find_artifact(ws.store, ws.experiment, stage, fp)) is not None:
-            return _cache_hit(stage, fp, done, log)
+            return _cache_hit(ws, stage, fp, done, parent_run_id, log)
         if not waiting:
             holder = (lease.holder() or {}).get("owner", "another run")
             log(f"{stage}: {holder} is building this artifact (fingerprint {fp}); waiting for it")
@@ -154,18 +155,23 @@ def execute_stage(
         # committed by a run that held the lease after our first look (the one we waited for)
         existing = find_artifact(ws.store, ws.experiment, stage, fp)
         if existing is not None and not force:
-            return _cache_hit(stage, fp, existing, log)
+            return _cache_hit(ws, stage, fp, existing, parent_run_id, log)
         return _build(cfg, stage, inputs, ws, fp, existing, parent_run_id, log, progress)
     finally:
         lease.release()
 
 
-def _cache_hit(stage: str, fp: str, existing: Artifact, log) -> ArtifactRef:
+def _cache_hit(ws: Workspace, stage: str, fp: str, existing: Artifact, parent_run_id: str | None, log) -> ArtifactRef:
+    """The committed artifact, and (under a lifecycle or stage-flow run) a nested MLflow run that says
+    so: tagged cached, linking the run that built it, carrying its figures (Tracker.cached_stage_run)."""
     # the fingerprint covers config and inputs, not code: say when other code built the artifact
     built, now = existing.manifest.get("code_version"), code_version()
     stale = built not in (None, "unknown", now) and now != "unknown"
     log(f"{stage}: cached {existing.uri}" + (f" (built by code {built}, this is {now}: `--force {stage}` "
                                               "rebuilds it)" if stale else ""))
+    if parent_run_id:
+        Tracker.for_workspace(ws).cached_stage_run(stage, fp, parent_run_id, existing.manifest.get("mlflow_run_id"),
+                                                   existing.uri)
     return ArtifactRef(stage, fp, existing.uri, cached=True, summary=existing.manifest.get("summary"))
 
 

@@ -77,6 +77,11 @@ def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_key(step: int) -> str:
+    """The checkpoint's folder under the job's output, as a store key."""
+    return join_key(ROOT, step_dir(step))
+
+
 def parse_step(name: str) -> int | None:
     if not name.startswith("step_"):
         return None
@@ -372,7 +377,7 @@ class Checkpointer:
                 t0: float) -> None:
         if future is not None:
             future.result()
-        key = join_key(ROOT, step_dir(step))
+        key = checkpoint_key(step)
         mine = self._my_files(local)
         files = {}
         for rel in mine:

@@ -1,7 +1,7 @@
 """Step metrics: FLOPs per token and MFU (seed: "training FLOPs ~ 6 x parameters x tokens ... less
 the embedding ... plus attention"), a matmul probe for the peak when none is configured, peak
-memory, and where they go: metrics.jsonl, MLflow (rank 0, through infra.tracking.RunLogger) and a
-progress bar. Other ranks stay quiet."""
+memory, and where they go: metrics.jsonl, MLflow (rank 0, through infra.tracking.RunLogger; each
+committed checkpoint a LoggedModel there) and a progress bar. Other ranks stay quiet."""
 
 from __future__ import annotations
 
@@ -135,6 +135,17 @@ class MetricsSink:
     def log_params(self, params: dict) -> None:
         if self.enabled and self._logger is not None:
             self._logger.log_params(params)
+
+    def log_checkpoints(self, committed: list[tuple[int, str]], stage: str) -> None:
+        """Each committed checkpoint (step, URI in the store) as an MLflow LoggedModel with the metrics
+        of its step linked (infra.tracking.RunLogger.log_checkpoint_model; a failure only warns). Called
+        on the training thread after the step's metrics are logged, never from the checkpoint's own
+        background thread: the metrics of the checkpoint's step are then in, and the logger is not
+        shared between threads."""
+        if self._logger is None:
+            return
+        for step, uri in committed:
+            self._logger.log_checkpoint_model(step, uri, stage)
 
     def close(self) -> None:
         if self._system is not None:

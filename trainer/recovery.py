@@ -13,6 +13,7 @@ rollback count; so a resumed or rolled-back job continues exactly where the chec
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from infra.launch.base import endpoint_for
 from infra.store import open_store
 
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, checkpoint_key
 from .faults import Faults, ScaledObjective
 from .health import Heartbeat, preflight
 from .spike import SpikeDetector, Verdict
@@ -50,8 +51,11 @@ class Recovery:
         layout = {"world_size": dims.world_size, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                   "pp": dims.pp, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep, "zero": trainer.cfg.parallel.zero}
         self.faults = Faults(t.faults, self.rank, t.global_batch_size, workdir, job_attempt=spec.attempt)
+        # rank 0, in the checkpoint's background thread: committed ones wait here for the training thread
+        # to log them to MLflow (take_committed), then the fault drills get their turn
+        self._committed: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self.ckpt = Checkpointer(self.store, t.checkpoint, workdir / "checkpoint-staging", layout,
-                                 on_commit=lambda step: self.faults.after_commit(self.store, step))
+                                 on_commit=self._on_commit)
         self.detector = SpikeDetector(t.spike)
         self.scaled: ScaledObjective | None = None
         f = self.faults.cfg
@@ -80,6 +84,19 @@ class Recovery:
         # After a diverged attempt the task relaunches with a lower LR cap and the spiking data windows.
         self.lr_scale = min(self.lr_scale, spec.lr_scale)
         self.skip_windows = [list(w) for w in sorted({tuple(w) for w in self.skip_windows + spec.skip_windows})]
+
+    def _on_commit(self, step: int) -> None:
+        self._committed.put((step, self.store.url(checkpoint_key(step))))
+        self.faults.after_commit(self.store, step)
+
+    def take_committed(self) -> list[tuple[int, str]]:
+        """The checkpoints (step, URI) rank 0 committed since the last call, oldest first."""
+        out = []
+        while True:
+            try:
+                out.append(self._committed.get_nowait())
+            except queue.Empty:
+                return out
 
     # -- trainer state ------------------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:

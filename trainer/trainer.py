@@ -143,6 +143,7 @@ class Trainer:
                     sink.log({**last, **acts}, self.step)
                 if self.val_batches and t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     sink.log({"val_loss": self._evaluate()}, self.step)
+                sink.log_checkpoints(self.recovery.take_committed(), self.spec.stage)
                 sink.advance()
             if status == "completed" and self.val_batches:
                 last["val_loss"] = self._evaluate()
@@ -150,6 +151,7 @@ class Trainer:
             checkpoint = self.recovery.finish(status)
             last.update(self.recovery.metrics())
         finally:
+            sink.log_checkpoints(self.recovery.take_committed(), self.spec.stage)  # the final one, at least
             sink.close()
             self.recovery.close()
             if self.activations is not None:

@@ -1,6 +1,7 @@
 """`eightfold compare` on MLflow runs written the way the lifecycle writes them: a parent per
 lifecycle run (flattened config as params, `stage.<name>.*` tags, the Prefect flow-run id) with a
-nested run per stage that ran; a cached stage is found through its fingerprint."""
+nested run per stage (a cache hit's tagged cached); a cached stage's figures are found through its
+fingerprint."""
 
 import re
 
@@ -32,11 +33,13 @@ def _write_runs(uri):
         for stage, fp in fps.items():
             status = "cached" if (side == "b" and stage == "data") else "ran"
             t.set_tags(parent, {f"stage.{stage}.fingerprint": fp, f"stage.{stage}.status": status})
-            if status == "cached":
+            if status == "cached":  # as tasks/stage.py records a cache hit: a nested run linking the builder
+                t.cached_stage_run(stage, fp, parent, ids["a-data"], f"file:///store/{stage}/{fp}")
                 continue
             run = t.start_run(f"{stage}-{fp[:8]}", parent_run_id=parent, tags={"stage": stage, "fingerprint": fp})
             if stage == "data":
                 t.log_metrics(run, {"docs": 120, "bytes": 600000})
+                ids["a-data"] = run
             if stage == "pretrain":
                 for step, v in enumerate([4.0, 3.0, loss]):  # the comparison shows the last value
                     t.log_metrics(run, {"loss": v}, step=step)
@@ -65,6 +68,21 @@ def test_compare_diff_and_metrics(two_runs):
     # B's data stage was a cache hit: its figures come from the run that made the artifact (A's).
     assert comp.metrics["data"]["docs"] == (120.0, 120.0)
     assert comp.b.stages["data"]["cached"] and comp.b.stages["data"]["run_id"] == comp.a.stages["data"]["run_id"]
+    assert not comp.a.stages["data"]["cached"]
+
+
+def test_a_cached_run_stands_in_when_its_builder_is_gone(tmp_path):
+    """A stage flow's parent has no `stage.*` tags, and the builder may be deleted: the cached nested
+    run then is the stage's row, with the figures it copied, marked cached."""
+    t = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "micro")
+    with t.run("lifecycle-first", tags={"kind": "lifecycle"}) as first:
+        with t.run("data-dddddddd", parent_run_id=first, tags={"stage": "data", "fingerprint": "d" * 16}) as built:
+            t.log_metrics(built, {"docs": 120})
+    with t.run("stage-data", tags={"kind": "stage"}) as parent:
+        cached = t.cached_stage_run("data", "d" * 16, parent, built, "file:///store/data")
+    t.client.delete_run(built)
+    comp = compare_runs(t.uri, first, parent, "micro")
+    assert comp.b.stages["data"] == {"run_id": cached, "status": "FINISHED", "cached": True, "metrics": {"docs": 120.0}}
 
 
 def test_compare_resolves_names_and_flow_run_ids(two_runs):

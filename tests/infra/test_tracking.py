@@ -106,6 +106,41 @@ def test_experiment_opens_in_the_training_view(sqlite_uri, tmp_path):
         assert client.get_experiment(exp_id).tags[EXPERIMENT_KIND[0]] == "custom_model_development"
 
 
+def test_cached_stage_run_copies_and_links_its_builder(tracking_uri, tmp_path, caplog):
+    tracker = Tracker(tracking_uri, f"cached-{tmp_path.name}")
+    with tracker.lifecycle_run("lifecycle-1") as first:
+        with tracker.stage_run("pretrain", "fp-pre", first, params={"pretrain": {"lr": 3e-3}}) as built:
+            for step in (1, 2, 3):
+                tracker.log_metrics(built, {"loss": 4.0 - step}, step=step)
+            tracker.log_metrics(built, {"val_loss": 1.5, "system/cpu_utilization_percentage": 50.0}, step=3)
+    with tracker.lifecycle_run("lifecycle-2") as second:
+        cached = tracker.cached_stage_run("pretrain", "fp-pre", second, built, "file:///store/pretrain/fp-pre")
+        with caplog.at_level("WARNING", logger="infra.tracking"):
+            orphan = tracker.cached_stage_run("data", "fp-data", second, "0" * 32, "file:///store/data/fp-data")
+    client = MlflowClient(tracking_uri)
+    run, source = client.get_run(cached), client.get_run(built)
+    tags = run.data.tags
+    assert (run.info.status, tags["mlflow.parentRunId"], tags["stage"], tags["cached"]) == \
+        ("FINISHED", second, "pretrain", "true")
+    assert tags["built_by_run_id"] == built and tags["cached_fingerprint"] == "fp-pre" and "fingerprint" not in tags
+    assert tags["artifact_uri"] == "file:///store/pretrain/fp-pre" and built in tags["mlflow.note.content"]
+    if tracking_uri.startswith("http"):  # the builder's page, where a server can show it
+        assert tags["built_by_run_url"] == tracker.run_url(built) and tags["built_by_run_url"].startswith("http")
+    else:
+        assert "built_by_run_url" not in tags
+    # The builder's final figure of each metric, at its step; its machine's system metrics are not copied.
+    assert run.data.metrics == {"loss": 1.0, "val_loss": 1.5}
+    assert [(m.step, m.value) for m in client.get_metric_history(cached, "loss")] == [(3, 1.0)]
+    assert run.data.params == source.data.params == {"pretrain.lr": "0.003"}
+    # A builder that cannot be read: the run is still there, linked, with a warning and nothing copied.
+    lost = client.get_run(orphan)
+    assert lost.data.tags["built_by_run_id"] == "0" * 32 and not lost.data.metrics and lost.info.status == "FINISHED"
+    assert "cannot be read" in caplog.text
+    # Searching by fingerprint finds the builder alone.
+    found = client.search_runs([tracker.experiment_id], "tags.fingerprint = 'fp-pre'")
+    assert [r.info.run_id for r in found] == [built]
+
+
 def test_runlogger_buffers_and_flushes(search_uri, tmp_path):
     tracker = Tracker(search_uri, f"runlogger-{tmp_path.name}")
     run_id = tracker.start_run("pretrain")

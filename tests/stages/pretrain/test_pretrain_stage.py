@@ -52,6 +52,10 @@ def test_stage_trains_and_logs_to_mlflow(tmp_path, tokens):
     # MLflow's system metrics of the job's machine: however short the job, at least its last sample
     logged = client.get_run(run_id).data.metrics
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(logged), sorted(logged)
+    # The job's one checkpoint (the final one) is a LoggedModel of the run, logged by rank 0 under torchrun.
+    (model,) = client.search_logged_models([exp], filter_string=f"source_run_id = '{run_id}'")
+    assert model.name == "pretrain-step-8" and model.tags["checkpoint_uri"].endswith("checkpoints/step_00000008")
+    assert {m.key: m.value for m in model.metrics}["loss"] == history[-1].value
 
 
 def test_failed_job_raises_naming_the_log(tmp_path, tokens):
