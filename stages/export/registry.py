@@ -159,22 +159,23 @@ def sibling_version(tracking_uri: str, mv, variant: str):
 
 
 def fetch_model(tracking_uri: str, mv, cache_dir: str | Path) -> Path:
-    """Download version `mv`'s folder into `cache_dir/<name>/<version>` (once: a finished download is
-    reused) and return that folder."""
+    """Download version `mv`'s folder into `cache_dir/<name>/<version>` (once: a finished download of the
+    same source is reused; another registry's version of that number is not) and return that folder."""
     import mlflow.artifacts
 
     client = registry_client(tracking_uri)
     dst = Path(cache_dir) / mv.name / str(mv.version)
-    if (dst / _COMPLETE).is_file():
+    uri = client.get_model_version_download_uri(mv.name, mv.version)
+    stamp = f"models:/{mv.name}/{mv.version}\n{uri}\n"
+    if (dst / _COMPLETE).is_file() and (dst / _COMPLETE).read_text() == stamp:
         return dst
     shutil.rmtree(dst, ignore_errors=True)  # an interrupted download is started again
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    uri = client.get_model_version_download_uri(mv.name, mv.version)
     got = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp), tracking_uri=tracking_uri))
-    # the artifact folder lands inside dst_path under its own name (hf, quantized/int8 -> int8)
-    got.rename(dst) if got != tmp else tmp.rename(dst)
+    # the folder lands inside dst_path under its own last name (hf, quantized/int8 -> int8)
+    got.rename(dst)
     shutil.rmtree(tmp, ignore_errors=True)
-    (dst / _COMPLETE).write_text(f"models:/{mv.name}/{mv.version}\n{uri}\n")
+    (dst / _COMPLETE).write_text(stamp)
     return dst

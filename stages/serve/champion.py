@@ -61,8 +61,9 @@ def champion_model(ctx, fallback, log=print) -> DeployedModel:
     served = sibling_version(tracking, mv, variant)
     hf = fetch_model(tracking, mv, cache)
     served_dir = hf if served is mv else fetch_model(tracking, served, cache)
+    beside = f", its {variant} as version {served.version}" if served is not mv else ""
     log(f"serve: deploying {model_uri} = version {mv.version} ({mv.tags.get('variant')}, export "
-        f"{mv.tags.get('export_fingerprint')})" + (f", its {variant} as version {served.version}" if served is not mv else ""))
+        f"{mv.tags.get('export_fingerprint')}){beside}")
     registry = {"model_uri": model_uri, "resolved": True, "name": mv.name, "version": int(mv.version),
                 "variant": mv.tags.get("variant"), "export_fingerprint": mv.tags.get("export_fingerprint"),
                 "source_run_id": mv.run_id, "served_version": int(served.version),

@@ -96,7 +96,8 @@ def test_a_champion_that_fails_its_gates_on_reevaluation_loses_the_alias(registr
 def test_decide_and_the_primary_metric():
     assert decide(True, 0.6, True, candidate=3, champion=2, champion_value=0.5).alias == "champion"  # higher is better
     assert decide(True, 0.5, True, candidate=3, champion=2, champion_value=0.5).alias == "challenger"  # a tie keeps it
-    assert decide(True, 0.4, False, candidate=3, champion=2, champion_value=None).reason.startswith("the champion (version 2)")
+    no_value = decide(True, 0.4, False, candidate=3, champion=2, champion_value=None)
+    assert no_value.alias == "challenger" and no_value.reason.startswith("the champion (version 2) has no value")
     assert decide(True, 9.9, False, candidate=2, champion=2, champion_value=0.1).alias == "champion"  # itself
     summaries = _summaries(1.0)
     assert primary_metric(GATES, [TASK], summaries) == (TASK, METRIC)

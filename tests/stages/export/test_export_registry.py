@@ -62,6 +62,13 @@ def test_every_exported_folder_is_a_version_of_the_export_stage_run(tmp_path):
     assert sibling_version(uri, shipped, "hf") is shipped
     with pytest.raises(RegistryError, match=r"no registered 'fp8' variant beside it"):
         sibling_version(uri, shipped, "fp8")
+    # a finished download is reused; one stamped by another registry's version of that number is not
+    folder = fetch_model(uri, shipped, tmp_path / "cache")
+    (folder / "mine.txt").write_text("kept")
+    assert fetch_model(uri, shipped, tmp_path / "cache") == folder and (folder / "mine.txt").exists()
+    (folder / ".eightfold-downloaded").write_text("models:/elsewhere/1\n")
+    assert fetch_model(uri, shipped, tmp_path / "cache") == folder and not (folder / "mine.txt").exists()
+    assert _same_files(tmp_path / "export" / "hf", folder)
     # a second export of the same name: new versions, numbered on
     again, _, _ = register_export(uri, f"reg-{tmp_path.name}", tmp_path / "export", name)
     assert again["version"] > max(v["version"] for v in registered["versions"].values())

@@ -133,7 +133,8 @@ def test_serve_stage_deploys_the_champion_and_its_variant(champion, tmp_path):
     ctx = _ctx(tmp_path, given, name, "serve.variant=int8")
     chosen = champion_model(ctx, fallback(ctx), log=said.append)
     int8 = registered["versions"]["quantized/int8"]["version"]
-    assert (chosen.hf_dir / "which.txt").read_text() == "hf" and (chosen.served_dir / "which.txt").read_text() == "quantized/int8"
+    assert (chosen.hf_dir / "which.txt").read_text() == "hf"
+    assert (chosen.served_dir / "which.txt").read_text() == "quantized/int8"
     assert chosen.model_uri == client.get_model_version(name, str(int8)).tags["artifact_uri"]
     assert chosen.registry == {**chosen.registry, "resolved": True, "version": registered["version"], "variant": "grpo",
                                "served_version": int8, "served_variant": "int8", "source_run_id": stage_run}
