@@ -192,15 +192,19 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 @app.command(context_settings=PASS_THROUGH)
 def serve(
     ctx: typer.Context,
-    model_dir: Optional[str] = typer.Argument(None, help="a Hugging Face checkpoint folder (the export's hf/)"),
+    model_dir: Optional[str] = typer.Argument(None, help="a Hugging Face checkpoint folder (the export's hf/), or a "
+                                              "registered model: models:/NAME@champion, models:/NAME/VERSION"),
     latest: bool = typer.Option(False, "--latest", help="serve the newest committed export artifact"),
-    config: Optional[str] = typer.Option(None, "--config", "-c", help="config naming the store (with --latest)"),
+    config: Optional[str] = typer.Option(None, "--config", "-c",
+                                         help="config naming the store (with --latest) or the MLflow tracking URI"),
 ) -> None:
     """OpenAI-compatible server (paged KV, continuous batching, prefix caching, speculative decoding).
     Engine options pass through: --host, --port, --api-key, --max-num-seqs, --speculative ngram, ..."""
     if latest == (model_dir is not None):
         console.print("[red]give MODEL_DIR or --latest (one of them)[/red]")
         raise typer.Exit(2)
+    if model_dir is not None and model_dir.startswith("models:"):
+        model_dir = _registered_model_dir(model_dir, config)
     if latest:
         from infra.workspace import Workspace
         from stages.serve.stage import latest_export_dir
@@ -213,6 +217,23 @@ def serve(
     from stages.serve.cli import main as serve_main
 
     raise typer.Exit(serve_main(["serve", model_dir, *ctx.args]))
+
+
+def _registered_model_dir(uri: str, config: str | None) -> str:
+    """models:/NAME@ALIAS or models:/NAME/VERSION, downloaded from the workspace's MLflow into
+    `<workdir>/registry/NAME/VERSION`; an unknown model, alias or version exits 3 naming it."""
+    from infra.workspace import Workspace
+    from stages.export.registry import RegistryError, fetch_model, resolve_model_uri
+
+    ws = Workspace.from_config(_load(config, []))
+    try:
+        mv = resolve_model_uri(ws.tracking_uri, uri)
+    except RegistryError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(3)
+    folder = fetch_model(ws.tracking_uri, mv, ws.path("registry"))
+    console.print(f"{uri} is version {mv.version} ({mv.tags.get('variant', '?')}, from run {mv.run_id}): {folder}")
+    return str(folder)
 
 
 BENCHMARKS = {

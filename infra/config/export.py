@@ -94,7 +94,9 @@ class ExportConfig(Section):
         description="also export every earlier model of the chain (pretrain, sft, dpo) unquantized to <step>/hf, "
         "so evaluate compares the whole lifecycle in one table",
     )
-    register_model: bool = Field(True, description="register hf/ in the MLflow model registry")
+    register_model: bool = Field(
+        True, description="register every exported folder (hf/, the lineage, each quantized variant) as a version in the "
+        "MLflow model registry; evaluate then sets the champion or challenger alias, serve deploys the champion")
     registered_model_name: str | None = Field(None, description="default: the config name")
 
     @field_validator("thresholds", mode="before")

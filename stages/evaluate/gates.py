@@ -78,10 +78,20 @@ def evaluate_gate(g: GateConfig, summaries: dict[str, Any]) -> list[GateResult]:
     return results
 
 
-def check_gates(gates: list[GateConfig], summaries: dict[str, Any]) -> list[GateResult]:
-    """Evaluate every gate; raise GateFailed naming all failures, else return the results."""
-    results = [r for g in gates for r in evaluate_gate(g, summaries)]
+def evaluate_gates(gates: list[GateConfig], summaries: dict[str, Any]) -> list[GateResult]:
+    """Every gate's result, passed or not (the registry's aliases are set from them before a failure stops
+    the stage)."""
+    return [r for g in gates for r in evaluate_gate(g, summaries)]
+
+
+def raise_failed(results: list[GateResult]) -> list[GateResult]:
+    """GateFailed naming every failing result, else the results."""
     failed = [r for r in results if not r.passed]
     if failed:
         raise GateFailed(failed)
     return results
+
+
+def check_gates(gates: list[GateConfig], summaries: dict[str, Any]) -> list[GateResult]:
+    """Evaluate every gate; raise GateFailed naming all failures, else return the results."""
+    return raise_failed(evaluate_gates(gates, summaries))

@@ -9,6 +9,10 @@ Output folder:
   results/<variant>.json the metrics of each variant (value, stderr, direction, examples)
   samples/<variant>/     per-example outputs, one jsonl per task
   evaluation.md / .json  the variants x tasks table
+  promotion.json         when the export registered its models: the alias the shipped model's version got
+                         (champion or challenger, promote.py) and why; every evaluated version is tagged
+                         with its figures. A cache hit of this stage moves no alias: the artifact's
+                         evaluation already did, and a re-run (`--force evaluate`) decides again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 
 from ..base import StageContext
 from .compare import as_columns, build_table, flat_metrics, log_variant_runs, write_table
-from .gates import check_gates
+from .gates import evaluate_gates, raise_failed
+from .promote import promote_evaluated
 from .run import Variant, discover_variants, evaluate_model, export_summary, model_args, summarize, write_samples
 from .suite import task_manager, token_window_filter, validation_texts, write_suite
 
@@ -137,11 +142,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
         tracker = Tracker(ws.tracking_uri, ws.experiment, artifact_location=str(ws.mlflow_artifacts))
         log_variant_runs(tracker, ctx.run_id, summaries, params, files)
 
-    # Gates last: a failing gate stops the stage, after the table and the runs that explain it exist.
-    results = check_gates(cfg.gates, summaries)
+    # Gates last: a failing gate stops the stage, after the table and the runs that explain it exist, and
+    # after the registry's aliases say so (a model that fails its gates is a challenger, never champion).
+    results = evaluate_gates(cfg.gates, summaries)
+    promotion = promote_evaluated(ctx, runnable, summaries, results)
+    raise_failed(results)
     summary: dict[str, Any] = {"variants": len(summaries), "skipped_variants": len(skipped), "gates_passed": len(results),
                                "seconds": round(time.perf_counter() - t0, 2),
                                **{f"examples/{k}": v for k, v in counts.items()}}
+    if promotion and "alias" in promotion:
+        summary.update({"registry_version": promotion["version"], "registry_alias": promotion["alias"]})
     for name, s in summaries.items():
         summary.update({f"{name}/{k}": v for k, v in flat_metrics(s).items() if not k.endswith("_stderr")})
     return summary

@@ -1,6 +1,6 @@
 """The export stage: pretrain checkpoint -> hf/ (Hugging Face safetensors), quantized/<variant>/ (FP8, INT8,
 INT4 RTN and AWQ in compressed-tensors layouts; GGUF for llama.cpp), every variant validated against the
-unquantized model, a size table, and hf/ registered in the MLflow model registry.
+unquantized model, a size table, and every one of them a version in the MLflow model registry (registry.py).
 
 Inputs: the model chain `pretrain` -> `posttrain-sft` -> `posttrain-dpo` -> `posttrain-grpo` (each a
 trainer output folder: result.json naming the checkpoint, checkpoints/, or model.safetensors),
@@ -16,7 +16,8 @@ Output folder:
   quantized/<variant>/     the same layout with quantization_config (fp8, int8, int4, int4-awq) or model.gguf
   validation.json          per variant: perplexity, ratio, greedy agreement, logit diff, pass/fail
   size_table.md/.json      bytes per variant for this model and, from shapes, for configs/seed-1b.yaml
-  export.json              summary: architecture, checkpoint, registry entry
+  export.json              summary: architecture, checkpoint, registry entry (`registered`: the shipped
+                           model's version and `versions`, one per folder above: path -> version, variant)
 The stage fails (ValidationFailed) naming the variant and the metric when a threshold is crossed, after
 writing validation.json so the numbers are there to read.
 """
@@ -251,6 +252,26 @@ def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipp
     return reports, adapters
 
 
+def registry_entries(inputs: dict[str, Any], source_short: str, earlier: list[tuple[str, str]], ec, out: Path,
+                     ckpt: Path) -> list:
+    """What becomes a model version: the shipped hf/, each earlier model of the chain exported beside it, and
+    each quantized variant written (a skipped one has no folder), each with the checkpoint it came from."""
+    from .registry import ExportedModel, checkpoint_step
+
+    def of(checkpoint: Path) -> dict[str, str]:
+        step = checkpoint_step(checkpoint)
+        return {"checkpoint": str(checkpoint), "checkpoint_step": "" if step is None else str(step)}
+
+    entries = [ExportedModel("hf", source_short, "shipped", source_short, of(ckpt))]
+    for name, short in earlier:
+        if (out / short / "hf").is_dir():
+            entries.append(ExportedModel(f"{short}/hf", short, "lineage", short, of(find_checkpoint(inputs[name]))))
+    for variant in ec.variants:
+        if (out / "quantized" / variant).is_dir():
+            entries.append(ExportedModel(f"quantized/{variant}", variant, "quantized", source_short, of(ckpt)))
+    return entries
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg, ec = ctx.cfg, ctx.cfg.export
     out = Path(ctx.out_dir)
@@ -302,11 +323,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     registered = None
     if ec.register_model and ctx.run_id:
-        from .registry import register_hf_folder
+        from .registry import register_variants
 
-        registered = register_hf_folder(ctx.workspace.tracking_uri, ctx.run_id, out / "hf",
-                                        ec.registered_model_name or cfg.name,
-                                        tags={"architecture": notes["architecture"], "checkpoint": str(ckpt)})
+        registered = register_variants(ctx.workspace.tracking_uri, ctx.run_id, out, ec.registered_model_name or cfg.name,
+                                       registry_entries(ctx.inputs, source_short, earlier, ec, out, ckpt),
+                                       tags={"architecture": notes["architecture"]}, artifact_root=ctx.out_uri)
     summary = {"architecture": notes["architecture"], "source": source, "source_step": source_short,
                "lineage": {short: f"{short}/hf" for _, short in earlier} if ec.lineage else {},
                "adapters": adapters, "checkpoint": str(ckpt), "registered": registered,
@@ -319,4 +340,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
         figures[f"{r.variant}_ppl_ratio"] = round(r.ppl_ratio, 4)
     if registered:
         figures["registered_version"] = registered["version"]
+        figures["registered_versions"] = len(registered["versions"])
     return figures

@@ -16,5 +16,5 @@ prefix affinity and a canary share (router.py), prefill/decode disaggregation: K
 from prefill engines into decode engines' prefix caches (kv_transfer.py) behind one replica
 (disagg.py), Prometheus metrics (metrics.py), the load benchmark with SLO goodput (bench.py), the
 vLLM Kubernetes manifests for cluster scale, with an autoscaler and SLO alerts (k8s.py), the lifecycle's
-serve stage (stage.py), a plain command line (cli.py) and the tiny checkpoint tests and the
-benchmark build (testing.py)."""
+serve stage (stage.py) and what it deploys, the registry's champion (champion.py), a plain command
+line (cli.py) and the tiny checkpoint tests and the benchmark build (testing.py)."""

@@ -14,7 +14,13 @@ token; the export stage already bounds its loss). With `serve.canary`, vllm.yaml
 as the canary beside the stable model ("previous": the newest earlier export artifact, resolved with
 `previous_export_uri`). `serve.json` records which variant was load-tested and what was deployed.
 
-`eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`."""
+What is deployed is the registry's champion, `models:/NAME@champion` (champion.py: the version evaluate
+promoted, downloaded from MLflow, and its `serve.variant` registered beside it); with no champion the stage
+says so and deploys the export artifact it was given. `serve.json`'s `deployed.registry` records which
+version it served, or why none.
+
+`eightfold serve --latest` resolves the newest export artifact with `latest_export_dir`;
+`eightfold serve models:/NAME@ALIAS` a registry version (stages/export/registry.py)."""
 
 from __future__ import annotations
 
@@ -160,21 +166,43 @@ def load_test(model_dir: Path, sc, seed: int, tokenizer_dir: Path | None = None)
             "output_len": output_len, **figures}
 
 
+def local_name(chosen) -> str:
+    """How `eightfold serve` names what was deployed: the registry version, or the folder."""
+    reg = chosen.registry
+    if not reg.get("resolved"):
+        return str(chosen.served_dir)
+    return reg["model_uri"] if reg["served_version"] == reg["version"] else f"models:/{reg['name']}/{reg['served_version']}"
+
+
+def export_model(export: Path, uri: str, variant: str) -> "DeployedModel":
+    """The export artifact this stage was given, as deployed without the registry: its hf/ and
+    `variant`'s folder, and their URIs in the store."""
+    from .champion import DeployedModel
+
+    model_dir = hf_dir(export)
+    if variant != "hf":
+        model_uri = f"{uri}/{variant_path(variant)}"
+    else:
+        model_uri = uri + "/hf" if model_dir.name == "hf" else uri
+    return DeployedModel(model_dir, variant_dir(export, variant), model_uri)
+
+
 def run(ctx) -> dict[str, Any]:
-    """StageContext in: inputs["export"] (local folder), input_uris["export"]. Writes vllm.yaml, serve.json."""
+    """StageContext in: inputs["export"] (local folder), input_uris["export"]. Deploys the registry's champion
+    (champion.py), else that export. Writes vllm.yaml, serve.json."""
+    from .champion import champion_model
+
     export = ctx.inputs.get("export")
     if export is None:
         raise KeyError("the serve stage needs the 'export' artifact as input")
-    model_dir = hf_dir(Path(export))
     sc = ctx.cfg.serve
     # what vllm.yaml deploys and the load test serves, and a canary's stable model: resolved first, so
-    # a missing variant or previous export fails before the checks run
-    served_dir = variant_dir(Path(export), sc.variant)
+    # a missing variant, champion's download or previous export fails before the checks run
     uri = ctx.input_uris.get("export", str(export)).rstrip("/")
-    if sc.variant != "hf":
-        model_uri = f"{uri}/{variant_path(sc.variant)}"
-    else:
-        model_uri = uri + "/hf" if model_dir.name == "hf" else uri
+    chosen = champion_model(ctx, lambda: export_model(Path(export), uri, sc.variant))
+    model_dir, served_dir, model_uri = chosen.hf_dir, chosen.served_dir, chosen.model_uri
+    if chosen.registry.get("resolved"):
+        ctx.log_params({"serve.registry_model": f"models:/{chosen.registry['name']}/{chosen.registry['served_version']}"})
     stable_uri = None
     if sc.canary and sc.canary.stable_model_uri == "previous":
         ws = ctx.workspace
@@ -187,7 +215,8 @@ def run(ctx) -> dict[str, Any]:
     deployment = from_lifecycle_config(ctx.cfg, model_uri, stable_model_uri=stable_uri)
     manifests = write_manifests(deployment, out)
     load = load_test(served_dir, sc, ctx.cfg.seed, tokenizer_dir=model_dir) if sc.load_requests else None
-    deployed: dict[str, Any] = {"variant": sc.variant, "model_uri": model_uri, "kv_cache_dtype": sc.kv_cache_dtype}
+    deployed: dict[str, Any] = {"variant": sc.variant, "model_uri": model_uri, "kv_cache_dtype": sc.kv_cache_dtype,
+                                "registry": chosen.registry}
     if deployment.canary:
         stable_w, canary_w = deployment.canary.weights
         deployed.update(rollout="canary", stable_model_uri=deployment.model_uri,
@@ -197,7 +226,7 @@ def run(ctx) -> dict[str, Any]:
             "load_tested": {"variant": sc.variant, "model_dir": str(served_dir), "kv_cache_dtype": sc.kv_cache_dtype}
             if load else None,
             "load": load, "deployed": deployed,
-            "serve_locally": f"eightfold serve {served_dir}"
+            "serve_locally": f"eightfold serve {local_name(chosen)}"
                              + (" --kv-cache-dtype fp8" if sc.kv_cache_dtype == "fp8" else "")
                              + (" --enforce-eager" if sc.enforce_eager else ""),
             "kubernetes": "kubectl apply -f vllm.yaml", "manifests": sorted(manifests)}
@@ -210,6 +239,8 @@ def run(ctx) -> dict[str, Any]:
                         **{f"{k}_p99": round(load[k]["p99"], 3) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}})
         if "request_goodput" in load:
             figures.update({k: round(float(load[k]), 4) for k in ("request_goodput", "good_request_share")})
+    if chosen.registry.get("resolved"):
+        figures.update({"served_version": chosen.registry["served_version"], "champion_version": chosen.registry["version"]})
     ctx.log_metrics({"serve/kv_blocks": float(smoke["kv_blocks"]),
                      **{f"serve/{k}": float(v) for k, v in figures.items() if isinstance(v, float)}}, None)
     return figures

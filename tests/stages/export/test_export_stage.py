@@ -1,11 +1,12 @@
 """The export stage end to end: a pretrain output folder holding a DCP checkpoint (with optimizer state),
 the tokenizer artifact and packed validation tokens -> hf/, every quantized variant, validation.json, the
-size table, and hf/ registered in MLflow with the lifecycle run as its source."""
+size table, and every exported folder a model version whose source run is the export stage's run."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -81,9 +82,17 @@ def test_export_stage_end_to_end(tmp_path, trained_tiny, export_tokenizer_dir):
     assert tiny["gguf-q8_0"]["measured_bytes"] == pytest.approx(tiny["gguf-q8_0"]["bytes"], rel=0.05)
     assert "| int4-awq |" in (out / "size_table.md").read_text()
 
-    reg = figures["registered_version"]
-    mv = MlflowClient(ws.tracking_uri).get_model_version("export-test", str(reg))
-    assert mv.run_id == parent and mv.source.endswith("/hf")
+    # every folder a model version whose source run is the export stage's own run
+    client = MlflowClient(ws.tracking_uri)
+    registered = json.loads((out / "export.json").read_text())["registered"]
+    assert sorted(registered["versions"]) == sorted(["hf", *(f"quantized/{v}" for v in cfg.export.variants)])
+    assert figures["registered_version"] == registered["version"] == registered["versions"]["hf"]["version"]
+    for path, entry in registered["versions"].items():
+        mv = client.get_model_version("export-test", str(entry["version"]))
+        assert mv.run_id == stage_run and mv.tags["lifecycle_run_id"] == parent and mv.source.endswith(f"/{path}")
+        assert mv.tags["path"] == path and mv.tags["checkpoint_step"] == "100"
+    shipped = client.get_model_version("export-test", str(registered["version"]))
+    assert (shipped.tags["variant"], shipped.tags["kind"]) == ("pretrain", "shipped")
     metrics = MlflowClient(ws.tracking_uri).get_run(stage_run).data.metrics
     assert metrics["export.int8.ppl_ratio"] < 1.05
 
@@ -160,6 +169,9 @@ def test_export_ships_the_last_model_of_the_chain_and_its_lineage(tmp_path, trai
     from stages.export.hf import hf_architecture, to_hf_state_dict
     from stages.export.stage import run
 
+    from mlflow import MlflowClient
+
+    from infra.tracking import Tracker
     from trainer.lora import apply_lora, merged_state_dict, save_peft
     from trainer.model import Transformer
 
@@ -180,13 +192,15 @@ def test_export_ships_the_last_model_of_the_chain_and_its_lineage(tmp_path, trai
         "model": trained_tiny.cfg.model_dump(),
         "tokenizer": {"vocab_size": 512},
         "pretrain": {"seq_len": 64, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 0, "steps": 1},
-        "export": {"variants": ["int8"], "validation_rows": 4, "greedy_tokens": 4, "register_model": False,
-                   "dtype": "float32"},
+        "export": {"variants": ["int8"], "validation_rows": 4, "greedy_tokens": 4, "dtype": "float32",
+                   "registered_model_name": f"chain-{tmp_path.name}"},
     })
-    ws = Workspace(tmp_path / "ws", f"file://{tmp_path / 'ws' / 'artifacts'}", f"sqlite:///{tmp_path / 'm.db'}", "x")
+    # the session's MLflow database (tests/conftest.py): a fresh one costs ~10 s of migrations
+    ws = Workspace(tmp_path / "ws", f"file://{tmp_path / 'ws' / 'artifacts'}", os.environ["MLFLOW_TRACKING_URI"], "x")
+    stage_run = Tracker(ws.tracking_uri, ws.experiment, str(tmp_path / "mlartifacts")).start_run("export")
     out = tmp_path / "out"
     out.mkdir()
-    ctx = StageContext(cfg=cfg, workspace=ws, out_dir=out, run_id=None,
+    ctx = StageContext(cfg=cfg, workspace=ws, out_dir=out, run_id=stage_run,
                        inputs={"pretrain": pretrain, "posttrain-sft": sft, "tokenizer": export_tokenizer_dir,
                                "tokens": tokens})
     assert run(ctx)["source"] == "posttrain-sft"
@@ -216,6 +230,14 @@ def test_export_ships_the_last_model_of_the_chain_and_its_lineage(tmp_path, trai
 
     variants = discover_variants(EvaluateConfig(), {"export": out})
     assert [v.name for v in variants] == ["pretrain", "sft", "int8"]
+    # each a model version of the stage's run, tagged with the row name evaluate gives it and its checkpoint
+    client = MlflowClient(ws.tracking_uri)
+    versions = {path: client.get_model_version(f"chain-{tmp_path.name}", str(e["version"]))
+                for path, e in summary["registered"]["versions"].items()}
+    assert {p: (v.tags["variant"], v.tags["kind"]) for p, v in versions.items()} == {
+        "hf": ("sft", "shipped"), "pretrain/hf": ("pretrain", "lineage"), "quantized/int8": ("int8", "quantized")}
+    assert {v.run_id for v in versions.values()} == {stage_run}
+    assert versions["pretrain/hf"].tags["checkpoint_step"] == "100" and "checkpoint_step" not in versions["hf"].tags
 
     with pytest.raises(ValueError, match="export.source='posttrain-grpo' is not among"):
         run(dataclasses.replace(ctx, cfg=cfg.model_copy(update={"export": cfg.export.model_copy(

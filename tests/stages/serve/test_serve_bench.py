@@ -97,7 +97,8 @@ def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_di
     current = commit_artifact(store, "exp", "export", "b" * 16, export, config={})
     ctx = SimpleNamespace(cfg=load_config("configs/tiny.yaml", load), inputs={"export": export},
                           input_uris={"export": current.uri}, out_dir=tmp_path / "out",
-                          workspace=SimpleNamespace(store=store, experiment="exp"), log_metrics=lambda *a, **k: None)
+                          workspace=SimpleNamespace(store=store, experiment="exp"), log_metrics=lambda *a, **k: None,
+                          run_id=None)  # untracked: no registry champion, the given export is deployed
     figures = run(ctx)
     assert figures["matches_hf"] is True  # the smoke test compares the unquantized hf/ with transformers
     card = json.loads((tmp_path / "out" / "serve.json").read_text())
