@@ -21,6 +21,8 @@ from urllib.parse import quote, urlparse
 from rich.console import Console
 from rich.table import Table
 
+from infra.tracking import ui_url
+
 FLOW_RUN_TAG = "prefect.flow_run_id"
 PARENT_TAG = "mlflow.parentRunId"
 
@@ -156,8 +158,8 @@ def ui_link(tracking_uri: str, comp: Comparison) -> str:
     frag = (f"#/compare-runs?runs={quote(json.dumps([comp.a.run_id, comp.b.run_id]))}"
             f"&experiments={quote(json.dumps(comp.experiment_ids))}")
     if urlparse(tracking_uri).scheme in ("http", "https"):
-        return f"{tracking_uri.rstrip('/')}/{frag}"
-    return f"mlflow ui --backend-store-uri {tracking_uri}   then open http://127.0.0.1:5000/{frag}"
+        return ui_url(tracking_uri, frag)
+    return f"mlflow ui --backend-store-uri {tracking_uri}   then open {ui_url('http://127.0.0.1:5000', frag)}"
 
 
 def _fmt(v: float | None) -> str:

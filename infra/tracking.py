@@ -42,8 +42,11 @@ MAX_PARAMS_PER_BATCH = 100
 
 PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "prefect.flow_run_id"
-# MLflow 3's UI opens an experiment in its GenAI view (traces) unless this tag says it holds training runs.
+# What MLflow 3 reads to tell a training experiment from a GenAI one (its UI, the API's users).
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# MLflow 3.17's UI picks its GenAI or training view from the browser's last choice (GenAI at first),
+# not from the experiment's kind; a link that names the training view opens there.
+TRAINING_VIEW = "workflowType=machine_learning"
 NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
 CACHED_TAG = "cached"
 CACHED_FINGERPRINT_TAG = "cached_fingerprint"
@@ -79,6 +82,13 @@ def _as_float(value: Any) -> float:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metric value {value!r} is not a number") from exc
+
+
+def ui_url(server: str, fragment: str) -> str:
+    """A page of a tracking server's UI (`fragment`: its hash route, e.g. `#/experiments/1`), opened in
+    the training view."""
+    sep = "&" if "?" in fragment else "?"
+    return f"{server.rstrip('/')}/{fragment}{sep}{TRAINING_VIEW}"
 
 
 def default_artifact_location(tracking_uri: str) -> str | None:
@@ -245,7 +255,7 @@ class Tracker:
     def run_url(self, run_id: str) -> str:
         """Where a person looks: the UI page for a server, the run id and `mlflow ui` for a file."""
         if urlparse(self.uri).scheme in ("http", "https"):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+            return ui_url(self.uri, f"#/experiments/{self.experiment_id}/runs/{run_id}")
         return f"run {run_id} in {self.uri} (mlflow ui --backend-store-uri {self.uri})"
 
     # --- context managers ------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def _publish(cfg: LifecycleConfig, ref: ArtifactRef) -> None:
     run_id = art.manifest.get("mlflow_run_id")
     url = None
     if run_id and ws.tracking_uri.startswith("http"):
-        url = f"{ws.tracking_uri.rstrip('/')}/#/experiments/runs/{run_id}"
+        url = Tracker.for_workspace(ws).run_url(run_id)
     elif run_id:
         url = f"run `{run_id}` in `{ws.tracking_uri}`"
     markdown = _markdown(ref.stage, art, ref.summary or {}, url, ref.cached)

@@ -167,36 +167,63 @@ def test_every_run_is_in_mlflow(team):
 
 
 def test_the_uis_show_every_stage(team, chromium):
-    """What a user opens, rendered by headless Chromium: the first flow run's page lists a task run per
-    stage; its artifacts tab has every stage's artifact and figures table; MLflow's compare page of the
-    two lifecycles' stage runs has a column per stage with its artifact and figures. Screenshots kept."""
+    """What a user opens, rendered by headless Chromium (screenshots kept, fixtures/browser.py):
+    - Prefect, the first flow run: its Task Runs tab lists a task run per stage, tagged with the stage;
+      its Artifacts tab has every stage's artifact and figures table;
+    - Prefect, the second flow run: every stage's task run is Cached;
+    - MLflow's compare page of both lifecycles' stage runs: a column per stage in each lifecycle, with
+      the artifact it built or reused and its figures;
+    - the MLflow link a stage's Prefect artifact gives opens that run in the training view."""
     import json
     from urllib.parse import quote
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from fixtures.browser import rendered_text, screenshot
+    from infra.tracking import ui_url
 
-    first = team.flow_runs[0]
-    with temporary_settings(updates={PREFECT_API_URL: team.prefect_api}), get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first])))
-    names = [t.name for t in task_runs]
-    assert sorted(t.task_key.split("-")[0] for t in task_runs) and len(names) >= len(STAGES), names
-    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}", names)
-    shots = [screenshot(chromium, "prefect-flow-run")]
+    def task_runs(flow_run: str) -> list:
+        with temporary_settings(updates={PREFECT_API_URL: team.prefect_api}), get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
+        return [t for t in runs if any(tag.startswith("stage:") for tag in t.tags)]
 
+    first, second = team.flow_runs
+    shots = []
+    built = task_runs(first)
+    assert sorted(t.name.rsplit("-", 1)[0] for t in built) == sorted(STAGES)
+    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}", [t.name for t in built] +
+                  [f"stage:{s}" for s in STAGES], click="li.p-tab#task-runs")
+    shots.append(screenshot(chromium, "prefect-flow-run-task-runs"))
     keys = [f"{EXPERIMENT}-{s}" for s in STAGES] + [f"{EXPERIMENT}-{s}-figures" for s in STAGES]
-    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}?tab=Artifacts", keys)
+    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}", keys, click="li.p-tab#artifacts")
     shots.append(screenshot(chromium, "prefect-flow-run-artifacts"))
 
+    cached = task_runs(second)
+    assert {t.state.name for t in cached} == {"Cached"}
+    text = rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{second}", [t.name for t in cached],
+                         click="li.p-tab#task-runs")
+    assert text.count("Cached") >= len(STAGES), text[:3000]
+    shots.append(screenshot(chromium, "prefect-cached-flow-run-task-runs"))
+
     exp, parents, children = _lifecycle_runs(team)
-    stage_runs = [r for p in parents for r in children.get(p.info.run_id, [])]
-    ids = json.dumps([r.info.run_id for r in stage_runs])
-    url = f"{team.mlflow_url}/#/compare-runs?runs={quote(ids)}&experiments={quote(json.dumps([exp.experiment_id]))}"
-    figures = sorted({next(iter(sorted(r.data.metrics))) for r in stage_runs if r.data.metrics})
-    text = rendered_text(chromium, url, [r.info.run_name for r in stage_runs] + figures, timeout=90)
-    shots.append(screenshot(chromium, "mlflow-compare-lifecycles"))
+    stage_runs = [r for p in parents for r in children[p.info.run_id] if r.data.tags.get("stage") in STAGES]
+    assert len(stage_runs) == 2 * len(STAGES)
+    ids, exps = quote(json.dumps([r.info.run_id for r in stage_runs])), quote(json.dumps([exp.experiment_id]))
+    figures = {r.info.run_id: sorted(k for k in r.data.metrics if not k.startswith("system/")) for r in stage_runs}
+    assert all(figures.values()), [r.info.run_name for r in stage_runs if not figures[r.info.run_id]]
+    figures = [names[0] for names in figures.values()]  # one row per run: the page has them all
+    expect = [r.info.run_name for r in stage_runs] + [r.data.tags["artifact_uri"] for r in stage_runs] + figures
+    rendered_text(chromium, ui_url(team.mlflow_url, f"#/compare-runs?runs={ids}&experiments={exps}"), expect, timeout=90)
+    shots.append(screenshot(chromium, "mlflow-compare-two-lifecycles"))
+
+    with temporary_settings(updates={PREFECT_API_URL: team.prefect_api}), get_client(sync_client=True) as client:
+        links = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first])))
+    link = next(a.data for a in links if a.key == f"{EXPERIMENT}-pretrain-mlflow-run")
+    url = link[link.index("(") + 1:link.rindex(")")] if link.startswith("[") else link  # stored as markdown
+    pretrain = next(r for r in stage_runs if r.data.tags["stage"] == "pretrain" and "cached" not in r.data.tags)
+    text = rendered_text(chromium, url, [pretrain.info.run_name, "Model metrics", *sorted(pretrain.data.metrics)[:3]])
+    assert "Model training" in text and "Traces\nSessions" not in text  # the training view's menu, not GenAI's
+    shots.append(screenshot(chromium, "mlflow-pretrain-run"))
     print("screenshots:", *shots, sep="\n  ")
-    assert all(p.stat().st_size > 10_000 for p in shots)
