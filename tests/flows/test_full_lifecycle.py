@@ -1,15 +1,20 @@
-"""The whole lifecycle on the micro config, through Prefect, once, as on a cluster whose nodes share
-nothing but the object store: artifacts in S3 (a local S3 server), every training job on two nodes
-(the local launcher's simulated nodes, each with a folder of its own), every file a rank writes
-audited, and no path written by both nodes. Then on top of that run: a second run is all cache hits, a
-forced stage re-runs only itself and what reads it, a training job killed mid-run is retried by the
-task from its checkpoint in the store and ends with the same weights as the uninterrupted run, and a
-diverging job is rolled back one checkpoint, relaunched at a lower LR and completes, or, with no
-rollback budget, fails without burning its retries."""
+"""The whole lifecycle on the micro config, through Prefect, as a team runs it on a cluster whose nodes
+share nothing but the object store: README's team set-up for real (PostgreSQL, the Prefect server and
+the MLflow server on it, MLflow's artifacts proxied to a local S3 server, a process worker,
+`eightfold deploy`, fixtures/team.py), the lifecycle deployment run twice with artifacts in S3 and every
+training job on two nodes (the local launcher's simulated nodes, each with a folder of its own), every
+file a rank writes audited, and no path written by both nodes. Then: every stage's artifact is in S3,
+every run in MLflow (the second lifecycle's stages as cached runs), the real UIs rendered by headless
+Chromium show every stage, its artifact and its figures (screenshots kept); a forced stage re-runs only
+itself and what reads it; a training job killed mid-run is retried by the task from its checkpoint in
+the store and ends with the same weights as the uninterrupted run; and a diverging job is rolled back one
+checkpoint, relaunched at a lower LR and completes, or, with no rollback budget, fails without burning
+its retries. Those last ones run in this process against the same servers."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
@@ -17,45 +22,62 @@ import pytest
 import torch
 import yaml
 
+from fixtures.browser import chromium  # noqa: F401
+from fixtures.postgres import postgres_url  # noqa: F401
 from fixtures.s3 import new_bucket_name, s3_endpoint  # noqa: F401
-from infra.artifacts import find_artifact
+from fixtures.team import Team, team_services
+from infra.artifacts import find_artifact, list_artifacts
 from infra.config import load_config
 from infra.workspace import Workspace
 from stages.registry import STAGES
 
-# the module's first test pays for the whole lifecycle (its fixture): a few minutes on 2 quiet cores
+# the module's first test pays for the servers and two lifecycles (its fixture): a few minutes on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # no retry delay; checkpoints saved synchronously, so the one before the fault is committed for sure
 FAST_RETRY = ["infra.retry_delay_s=0", "pretrain.checkpoint.async_save=false"]
-CONFIG: str = ""  # the micro config on S3 and two nodes, written by the fixture
+CONFIG: str = ""  # the micro config on S3, the team's MLflow and two nodes, written by the fixture
+EXPERIMENT = "micro"
+
+
+@dataclass
+class MicroRun:
+    team: Team
+    store: str  # s3://BUCKET/artifacts
+    work: Path  # the worker's scratch (and this process's, for the tests that run flows here)
+    audit: Path
 
 
 @pytest.fixture(scope="module")
-def micro_run(tmp_path_factory, prefect_harness, s3_endpoint):
-    global CONFIG
-    from flows.lifecycle import lifecycle
+def micro_run(tmp_path_factory, postgres_url, s3_endpoint):  # noqa: F811
+    import boto3
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    global CONFIG
     root = tmp_path_factory.mktemp("lifecycle")
     work, audit = root / "work", root / "audit"
-    cfg = load_config("micro").model_dump(mode="json")
-    cfg["infra"].update(store=f"s3://{new_bucket_name()}/artifacts", s3_endpoint_url=s3_endpoint)
-    cfg["parallel"].update(nnodes=2, nproc_per_node=1, dp=2)
-    # a training job that hangs is cancelled and retried within minutes, not at the test's timeout
-    cfg["infra"]["task_timeout_s"] = {t: 300 for t in ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo")}
-    CONFIG = str(root / "micro-s3-two-nodes.yaml")
-    Path(CONFIG).write_text(yaml.safe_dump(cfg))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EIGHTFOLD_WORKDIR", str(work))
-        mp.setenv("EIGHTFOLD_AUDIT_WRITES", str(audit))  # trainer/audit.py: every rank's writes
-        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        mp.delenv("PREFECT_API_URL", raising=False)
+    bucket = new_bucket_name()
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
+    worker_env = {"EIGHTFOLD_WORKDIR": str(work), "EIGHTFOLD_AUDIT_WRITES": str(audit)}  # trainer/audit.py
+    with team_services(root, postgres_url, s3_endpoint, worker_env) as team:
+        cfg = load_config("micro").model_dump(mode="json")
+        cfg["infra"].update(store=f"s3://{bucket}/artifacts", s3_endpoint_url=s3_endpoint, tracking_uri=team.mlflow_url)
+        cfg["parallel"].update(nnodes=2, nproc_per_node=1, dp=2)
+        # a training job that hangs is cancelled and retried within minutes, not at the test's timeout
+        cfg["infra"]["task_timeout_s"] = {t: 300 for t in ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo")}
+        CONFIG = str(root / "micro-s3-two-nodes.yaml")
+        Path(CONFIG).write_text(yaml.safe_dump(cfg))
+        team.deploy(CONFIG)
         try:
-            first = lifecycle(config=CONFIG)
+            for _ in range(2):  # the second: every stage a cache hit
+                team.run_lifecycle()
         except BaseException:
             _print_job_logs(work)
             raise
-        yield work, first, audit
+        with pytest.MonkeyPatch.context() as mp, temporary_settings(updates={PREFECT_API_URL: team.prefect_api}):
+            mp.setenv("EIGHTFOLD_WORKDIR", str(work))
+            mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+            yield MicroRun(team, cfg["infra"]["store"], work, audit)
 
 
 def _print_job_logs(work: Path) -> None:
@@ -101,12 +123,31 @@ def _stage_metrics(ws: Workspace, fp: str) -> dict[str, list]:
     return {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
 
 
+def _lifecycle_runs(run: MicroRun):
+    """(experiment, the deployment's two lifecycle parent runs oldest first, stage runs by parent id)."""
+    client = mlflow.MlflowClient(run.team.mlflow_url)
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("kind") == "lifecycle"
+               and r.data.tags.get("prefect.flow_run_id") in run.team.flow_runs[:2]]
+    children: dict[str, list] = {}
+    for r in runs:
+        if r.data.tags.get("stage") in STAGES and (parent := r.data.tags.get("mlflow.parentRunId")):
+            children.setdefault(parent, []).append(r)
+    return exp, parents, children
+
+
+def _first_fingerprints(run: MicroRun) -> dict[str, str]:
+    """Each stage's fingerprint, from the runs that built them in the first lifecycle."""
+    _, parents, children = _lifecycle_runs(run)
+    return {r.data.tags["stage"]: r.data.tags["fingerprint"] for r in children[parents[0].info.run_id]}
+
+
 def test_no_path_is_written_by_both_nodes(micro_run):
     """Every training job (proxies aside: one node) ran on two node folders; the ranks' writes (files
     opened for writing, rename targets) name no path outside the store that both nodes wrote."""
-    work, first, audit = micro_run
     by_node: dict[str, set[str]] = {}
-    for f in audit.glob("*.jsonl"):
+    for f in micro_run.audit.glob("*.jsonl"):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             by_node.setdefault(Path(rec["node"]).name, set()).add(rec["path"])
@@ -114,26 +155,120 @@ def test_no_path_is_written_by_both_nodes(micro_run):
     assert by_node["node0"] and by_node["node1"]
     assert not by_node["node0"] & by_node["node1"], sorted(by_node["node0"] & by_node["node1"])[:5]
     # the store is S3: nothing of the artifacts is on this machine's disk
-    assert not (work / "artifacts").exists()
+    assert not (micro_run.work / "artifacts").exists()
 
 
-def test_every_stage_ran_and_second_run_is_all_cached(micro_run):
-    from flows.lifecycle import lifecycle
-
-    work, first, _ = micro_run
-    assert _status(first) == {s: "ran" for s in STAGES}
+def test_every_stage_ran_then_was_cached_and_is_in_s3(micro_run):
+    """The first lifecycle built every stage, each one artifact in the S3 store; the second built none
+    and reused the same fingerprints; the export ships the last post-train model and, for the table,
+    every earlier one."""
+    _, parents, children = _lifecycle_runs(micro_run)
+    assert [p.data.tags["prefect.flow_run_id"] for p in parents] == micro_run.team.flow_runs[:2]
+    first, second = parents
+    assert {s: first.data.tags[f"stage.{s}.status"] for s in STAGES} == {s: "ran" for s in STAGES}
+    assert {s: second.data.tags[f"stage.{s}.status"] for s in STAGES} == {s: "cached" for s in STAGES}
+    built = _first_fingerprints(micro_run)
+    reused = {r.data.tags["stage"]: r.data.tags["cached_fingerprint"] for r in children[second.info.run_id]}
+    assert set(built) == set(STAGES) and reused == built
     ws = _ws()
-    folder = _folder(ws, "export", first["export"]["fingerprint"])
-    # the export ships the last post-train model and, for the table, every earlier one
-    summary = json.loads((folder / "export.json").read_text())
+    assert ws.store.uri == micro_run.store
+    for stage in STAGES:
+        arts = [a for a in list_artifacts(ws.store, EXPERIMENT, stage) if a.stage == stage]  # not the sweep's proxies
+        assert [a.fingerprint for a in arts] == [built[stage]], stage
+        assert arts[0].uri.startswith(micro_run.store + "/") and arts[0].manifest["files"], stage
+    summary = json.loads((_folder(ws, "export", built["export"]) / "export.json").read_text())
     assert summary["source"] == "posttrain-grpo" and set(summary["lineage"]) == {"pretrain", "sft", "dpo"}
-    table = json.loads((_folder(ws, "evaluate", first["evaluate"]["fingerprint"]) / "evaluation.json").read_text())
+    table = json.loads((_folder(ws, "evaluate", built["evaluate"]) / "evaluation.json").read_text())
     rows = [r["variant"] for r in table["rows"]]
     assert rows[:4] == ["pretrain", "sft", "dpo", "grpo"] and len(rows) > 4, rows
 
-    second = lifecycle(config=CONFIG)
-    assert _status(second) == {s: "cached" for s in STAGES}
-    assert {s: r["fingerprint"] for s, r in second.items()} == {s: r["fingerprint"] for s, r in first.items()}
+
+def test_every_run_is_in_mlflow(micro_run):
+    """Both lifecycle runs FINISHED, each with a nested run per stage (the second's tagged cached, linking
+    the builder); the experiment is a training one; the runs' own artifacts (the evaluation table, plots)
+    went through the server to S3."""
+    import boto3
+
+    exp, parents, children = _lifecycle_runs(micro_run)
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    assert [p.info.status for p in parents] == ["FINISHED", "FINISHED"]
+    first, second = (children[p.info.run_id] for p in parents)
+    assert sorted(r.data.tags["stage"] for r in first) == sorted(r.data.tags["stage"] for r in second) == sorted(STAGES)
+    assert {r.info.status for r in first + second} == {"FINISHED"}
+    builders = {r.info.run_id for r in first}
+    assert all(r.data.tags["cached"] == "true" and r.data.tags["built_by_run_id"] in builders for r in second)
+
+    client = mlflow.MlflowClient(micro_run.team.mlflow_url)
+    evaluate = next(r for r in first if r.data.tags["stage"] == "evaluate")
+    assert [f.path for f in client.list_artifacts(evaluate.info.run_id)], "the evaluate run logged no artifacts"
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=micro_run.team.s3_endpoint)
+            .list_objects_v2(Bucket=micro_run.team.mlflow_bucket).get("Contents", [])]
+    assert any(evaluate.info.run_id in k for k in keys), keys[:10]
+
+
+def test_the_uis_show_every_stage(micro_run, chromium):  # noqa: F811
+    """What a user opens, rendered by headless Chromium (screenshots kept, fixtures/browser.py):
+    - Prefect, the first flow run: its Task Runs tab lists a task run per stage, tagged with the stage;
+      its Artifacts tab has every stage's artifact and figures table;
+    - Prefect, the second flow run: every stage's task run is Cached;
+    - MLflow's compare page of both lifecycles' stage runs: a column per stage in each lifecycle, with
+      the artifact it built or reused and its figures;
+    - the MLflow link a stage's Prefect artifact gives opens that run in the training view."""
+    import json
+    from urllib.parse import quote
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from fixtures.browser import rendered_text, screenshot
+    from infra.tracking import ui_url
+
+    def task_runs(flow_run: str) -> list:
+        with temporary_settings(updates={PREFECT_API_URL: team.prefect_api}), get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run])))
+        return [t for t in runs if any(tag.startswith("stage:") for tag in t.tags)]
+
+    team = micro_run.team
+    first, second = team.flow_runs[:2]
+    shots = []
+    built = task_runs(first)
+    assert sorted(t.name.rsplit("-", 1)[0] for t in built) == sorted(STAGES)
+    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}", [t.name for t in built] +
+                  [f"stage:{s}" for s in STAGES], click="li.p-tab#task-runs")
+    shots.append(screenshot(chromium, "prefect-flow-run-task-runs"))
+    keys = [f"{EXPERIMENT}-{s}" for s in STAGES] + [f"{EXPERIMENT}-{s}-figures" for s in STAGES]
+    rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{first}", keys, click="li.p-tab#artifacts")
+    shots.append(screenshot(chromium, "prefect-flow-run-artifacts"))
+
+    cached = task_runs(second)
+    assert {t.state.name for t in cached} == {"Cached"}
+    text = rendered_text(chromium, f"{team.prefect_ui}/runs/flow-run/{second}", [t.name for t in cached],
+                         click="li.p-tab#task-runs")
+    assert text.count("Cached") >= len(STAGES), text[:3000]
+    shots.append(screenshot(chromium, "prefect-cached-flow-run-task-runs"))
+
+    exp, parents, children = _lifecycle_runs(micro_run)
+    stage_runs = [r for p in parents for r in children[p.info.run_id]]
+    assert len(stage_runs) == 2 * len(STAGES)
+    ids, exps = quote(json.dumps([r.info.run_id for r in stage_runs])), quote(json.dumps([exp.experiment_id]))
+    figures = {r.info.run_id: sorted(k for k in r.data.metrics if not k.startswith("system/")) for r in stage_runs}
+    assert all(figures.values()), [r.info.run_name for r in stage_runs if not figures[r.info.run_id]]
+    figures = [names[0] for names in figures.values()]  # one row per run: the page has them all
+    expect = [r.info.run_name for r in stage_runs] + [r.data.tags["artifact_uri"] for r in stage_runs] + figures
+    rendered_text(chromium, ui_url(team.mlflow_url, f"#/compare-runs?runs={ids}&experiments={exps}"), expect,
+                  scroll=".ReactVirtualized__Grid", timeout=120)  # the params and metrics tables
+    shots.append(screenshot(chromium, "mlflow-compare-two-lifecycles"))
+
+    with temporary_settings(updates={PREFECT_API_URL: team.prefect_api}), get_client(sync_client=True) as client:
+        links = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first])))
+    link = next(a.data for a in links if a.key == f"{EXPERIMENT}-pretrain-mlflow-run")
+    url = link[link.index("(") + 1:link.rindex(")")] if link.startswith("[") else link  # stored as markdown
+    pretrain = next(r for r in stage_runs if r.data.tags["stage"] == "pretrain" and "cached" not in r.data.tags)
+    text = rendered_text(chromium, url, [pretrain.info.run_name, "Model metrics", *sorted(pretrain.data.metrics)[:3]])
+    assert "Model training" in text and "Traces\nSessions" not in text  # the training view's menu, not GenAI's
+    shots.append(screenshot(chromium, "mlflow-pretrain-run"))
+    print("screenshots:", *shots, sep="\n  ")
 
 
 def test_forced_stage_reruns_itself_and_downstream_only(micro_run):
@@ -143,8 +278,7 @@ def test_forced_stage_reruns_itself_and_downstream_only(micro_run):
     rerun = {"export", "evaluate", "serve"}
     assert {s: v for s, v in _status(forced).items() if s in rerun} == {s: "ran" for s in rerun}
     assert {v for s, v in _status(forced).items() if s not in rerun} == {"cached"}  # the upstream they read
-    work, first, _ = micro_run
-    assert forced["export"]["fingerprint"] == first["export"]["fingerprint"]  # same inputs, same artifact
+    assert forced["export"]["fingerprint"] == _first_fingerprints(micro_run)["export"]  # same inputs, same artifact
 
 
 def test_killed_training_job_is_retried_from_its_checkpoint(micro_run):
@@ -152,17 +286,17 @@ def test_killed_training_job_is_retried_from_its_checkpoint(micro_run):
     the step-10 checkpoint and ends with exactly the weights of the uninterrupted pretrain run."""
     from flows.stages import STAGE_FLOWS
 
-    work, first, _ = micro_run
+    first = _first_fingerprints(micro_run)
     kill = ["pretrain.faults.kill_rank=0", "pretrain.faults.kill_step=12"]
     ref = STAGE_FLOWS["pretrain"](config=CONFIG, overrides=FAST_RETRY + kill)
-    assert not ref["cached"] and ref["fingerprint"] != first["pretrain"]["fingerprint"]
+    assert not ref["cached"] and ref["fingerprint"] != first["pretrain"]
     ws = _ws()
     attempts = _attempts(ws, "pretrain", ref["fingerprint"])
     assert [(a["attempt"], a["status"]) for a in attempts] == [(0, "failed"), (1, "completed")]
     history = _stage_metrics(ws, ref["fingerprint"])
     assert [m.value for m in history["resumed_from_step"]] == [10.0]
     assert ref["summary"]["steps"] == 20
-    clean, retried = _weights(ws, "pretrain", first["pretrain"]["fingerprint"]), _weights(ws, "pretrain", ref["fingerprint"])
+    clean, retried = _weights(ws, "pretrain", first["pretrain"]), _weights(ws, "pretrain", ref["fingerprint"])
     assert set(clean) == set(retried)
     assert all(torch.equal(clean[k], retried[k]) for k in clean)
 
@@ -172,7 +306,7 @@ def test_diverging_job_is_rolled_back_and_relaunched_at_a_lower_lr(micro_run):
     the task drops the step-15 checkpoint, relaunches from step 10 at half the LR, and completes."""
     from flows.stages import STAGE_FLOWS
 
-    work, first, _ = micro_run
+    first = _first_fingerprints(micro_run)
     diverge = ["pretrain.checkpoint.every=5", "pretrain.faults.nan_step=17", "pretrain.spike.max_skips=1",
                "pretrain.spike.max_rollbacks=0", "pretrain.spike.task_lr_factor=0.5"]
     ref = STAGE_FLOWS["pretrain"](config=CONFIG, overrides=FAST_RETRY + diverge)
@@ -183,7 +317,7 @@ def test_diverging_job_is_rolled_back_and_relaunched_at_a_lower_lr(micro_run):
     assert attempts[1]["lr_scale"] == 0.5
     history = _stage_metrics(ws, ref["fingerprint"])
     assert [m.value for m in history["resumed_from_step"]] == [10.0]
-    clean_lr = {m.step: m.value for m in _stage_metrics(ws, first["pretrain"]["fingerprint"])["lr"]}
+    clean_lr = {m.step: m.value for m in _stage_metrics(ws, first["pretrain"])["lr"]}
     lr = {m.step: m.value for m in history["lr"] if m.step > 10}
     assert lr and all(v == pytest.approx(0.5 * clean_lr[s]) for s, v in lr.items()), (lr, clean_lr)
 
@@ -217,9 +351,9 @@ def test_ctrl_c_leaves_no_training_process_behind(micro_run):
     import psutil
     from prefect.settings import PREFECT_API_URL
 
-    work, _, _ = micro_run
+    work = micro_run.work
     env = {**os.environ, "EIGHTFOLD_WORKDIR": str(work)}
-    # the session's Prefect server (the harness's): the CLI need not start a temporary one of its own
+    # the team's Prefect server: the CLI need not start a temporary one of its own
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     cmd = [sys.executable, "-m", "flows.cli", "stage", "pretrain", CONFIG, "--set", "pretrain.steps=100000",
            "--set", "infra.health_check=false"]

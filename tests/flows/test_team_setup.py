@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.processes import free_port, start_process, stop_process_group, wait_flow_run_final, wait_healthy
+from fixtures.browser import chromium  # noqa: F401
 from fixtures.postgres import new_database, postgres_url  # noqa: F401
 from fixtures.s3 import new_bucket_name, s3_endpoint  # noqa: F401
 from flows.deploy import PROCESS_POOL, ROOT
