@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian packages for the team set-up without Docker on one machine (README "Team set-up") and for the
-# tests that run it for real (tests/flows/test_team_setup.py): PostgreSQL for the Prefect and MLflow
+# tests that run it for real (tests/flows/test_full_lifecycle.py): PostgreSQL for the Prefect and MLflow
 # servers, Chromium and its driver for the UI tests. The tests start their own throwaway PostgreSQL
 # cluster (tests/fixtures/postgres.py), so the packaged cluster is not started here.
 #
