@@ -110,6 +110,9 @@ def _client(uri: str):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         # a new database announces its schema migration at INFO on every first run: not ours to print
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    # MLflow prints two links (to its GenAI view) per run it ends on a server, after one more request for the
+    # run: noise in every stage's log. Our links (`run_url`, Prefect's link artifacts) open the training view.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     return MlflowClient(tracking_uri=uri)
 
 

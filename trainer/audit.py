@@ -13,6 +13,8 @@ import threading
 
 AUDIT_ENV = "EIGHTFOLD_AUDIT_WRITES"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+# devices and the kernel's views (/dev/null as a subprocess's output): every machine has its own, none is shared
+_NOT_FILES = ("/dev/", "/proc/", "/sys/")
 
 
 def _for_writing(mode, flags) -> bool:
@@ -50,7 +52,7 @@ def install() -> None:
         try:
             path = os.path.abspath(os.fsdecode(target))
             with lock:
-                if path not in seen:
+                if path not in seen and not path.startswith(_NOT_FILES):
                     seen.add(path)
                     out.write(json.dumps({"node": node, "path": path}) + "\n")
         finally:

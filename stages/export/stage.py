@@ -252,23 +252,28 @@ def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipp
     return reports, adapters
 
 
-def registry_entries(inputs: dict[str, Any], source_short: str, earlier: list[tuple[str, str]], ec, out: Path,
-                     ckpt: Path) -> list:
+def registry_entries(inputs: dict[str, Any], input_uris: dict[str, str], source: str, source_short: str,
+                     earlier: list[tuple[str, str]], ec, out: Path, ckpt: Path) -> list:
     """What becomes a model version: the shipped hf/, each earlier model of the chain exported beside it, and
-    each quantized variant written (a skipped one has no folder), each with the checkpoint it came from."""
+    each quantized variant written (a skipped one has no folder), each with the checkpoint it came from:
+    named by its place in the store (what any node can read), not this machine's download of it."""
     from .registry import ExportedModel, checkpoint_step
 
-    def of(checkpoint: Path) -> dict[str, str]:
+    def of(checkpoint: Path, name: str) -> dict[str, str]:
         step = checkpoint_step(checkpoint)
-        return {"checkpoint": str(checkpoint), "checkpoint_step": "" if step is None else str(step)}
+        where = str(checkpoint)
+        if name in input_uris and Path(checkpoint).is_relative_to(inputs[name]):
+            where = f"{input_uris[name].rstrip('/')}/{Path(checkpoint).relative_to(inputs[name]).as_posix()}"
+        return {"checkpoint": where, "checkpoint_step": "" if step is None else str(step)}
 
-    entries = [ExportedModel("hf", source_short, "shipped", source_short, of(ckpt))]
+    entries = [ExportedModel("hf", source_short, "shipped", source_short, of(ckpt, source))]
     for name, short in earlier:
         if (out / short / "hf").is_dir():
-            entries.append(ExportedModel(f"{short}/hf", short, "lineage", short, of(find_checkpoint(inputs[name]))))
+            entries.append(ExportedModel(f"{short}/hf", short, "lineage", short,
+                                         of(find_checkpoint(inputs[name]), name)))
     for variant in ec.variants:
         if (out / "quantized" / variant).is_dir():
-            entries.append(ExportedModel(f"quantized/{variant}", variant, "quantized", source_short, of(ckpt)))
+            entries.append(ExportedModel(f"quantized/{variant}", variant, "quantized", source_short, of(ckpt, source)))
     return entries
 
 
@@ -326,7 +331,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         from .registry import register_variants
 
         registered = register_variants(ctx.workspace.tracking_uri, ctx.run_id, out, ec.registered_model_name or cfg.name,
-                                       registry_entries(ctx.inputs, source_short, earlier, ec, out, ckpt),
+                                       registry_entries(ctx.inputs, ctx.input_uris, source, source_short, earlier, ec, out, ckpt),
                                        tags={"architecture": notes["architecture"]}, artifact_root=ctx.out_uri)
     summary = {"architecture": notes["architecture"], "source": source, "source_step": source_short,
                "lineage": {short: f"{short}/hf" for _, short in earlier} if ec.lineage else {},

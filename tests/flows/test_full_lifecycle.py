@@ -204,6 +204,12 @@ def test_every_run_is_in_mlflow(micro_run):
     keys = [o["Key"] for o in boto3.client("s3", endpoint_url=micro_run.team.s3_endpoint)
             .list_objects_v2(Bucket=micro_run.team.mlflow_bucket).get("Contents", [])]
     assert any(evaluate.info.run_id in k for k in keys), keys[:10]
+    # every exported variant a model version of the export run, naming its checkpoint where any node reads it
+    export = next(r for r in first if r.data.tags["stage"] == "export")
+    versions = client.search_model_versions(f"name = '{EXPERIMENT}'")
+    assert versions and {v.run_id for v in versions} == {export.info.run_id}
+    assert all(v.tags["checkpoint"].startswith(micro_run.store + "/") for v in versions), \
+        [v.tags["checkpoint"] for v in versions]
 
 
 def test_the_uis_show_every_stage(micro_run, chromium):  # noqa: F811
@@ -268,6 +274,17 @@ def test_the_uis_show_every_stage(micro_run, chromium):  # noqa: F811
     text = rendered_text(chromium, url, [pretrain.info.run_name, "Model metrics", *sorted(pretrain.data.metrics)[:3]])
     assert "Model training" in text and "Traces\nSessions" not in text  # the training view's menu, not GenAI's
     shots.append(screenshot(chromium, "mlflow-pretrain-run"))
+
+    # The experiment, as `eightfold` links it: its training runs, not the GenAI overview (traces, usage).
+    text = rendered_text(chromium, ui_url(team.mlflow_url, f"#/experiments/{exp.experiment_id}"),
+                         [p.info.run_name for p in parents])
+    assert "Usage\nQuality" not in text
+    shots.append(screenshot(chromium, "mlflow-experiment-runs"))
+    # The registry: the shipped model's version holds @champion (evaluate's gates passed), every variant listed.
+    versions = mlflow.MlflowClient(team.mlflow_url).search_model_versions(f"name = '{EXPERIMENT}'")
+    rendered_text(chromium, ui_url(team.mlflow_url, f"#/models/{EXPERIMENT}"),
+                  ["champion"] + [f"Version {v.version}" for v in versions])
+    shots.append(screenshot(chromium, "mlflow-registered-model"))
     print("screenshots:", *shots, sep="\n  ")
 
 
