@@ -10,11 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from fixtures.processes import free_port, start_process, stop_process_group, wait_flow_run_final
+from fixtures.processes import free_port, start_process, stop_process_group, wait_flow_run_final, wait_healthy
 from flows.deploy import KUBERNETES_POOL, PROCESS_POOL, ROOT, deploy_command, render_prefect_yaml
 from stages.registry import STAGES
 
@@ -93,20 +92,9 @@ def prefect_server(tmp_path, monkeypatch):
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_LEVEL="INFO")
     server = start_process([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port),
-                     "--no-ui", "--analytics-off"], env, tmp_path / "server.log")
-    deadline = time.monotonic() + 120
+                            "--no-ui", "--analytics-off"], env, tmp_path / "server.log")
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"prefect server exited: {(tmp_path / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server not healthy in 120 s: {(tmp_path / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_healthy(server, f"{api}/health", tmp_path / "server.log", timeout=120)
         env["PREFECT_API_URL"] = api
         monkeypatch.setenv("PREFECT_API_URL", api)
         with temporary_settings(updates={PREFECT_API_URL: api}):
