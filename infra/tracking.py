@@ -103,7 +103,9 @@ def default_artifact_location(tracking_uri: str) -> str | None:
     return None
 
 
-def _client(uri: str):
+def mlflow_client(uri: str, registry_uri: str | None = None):
+    """An MlflowClient for `uri`: a sqlite file's folder made, its schema-migration notices and MLflow's
+    per-run link printing quieted."""
     from mlflow import MlflowClient  # imported late: ~1.5 s, and health checks want to time it
 
     if uri.startswith("sqlite:///"):
@@ -113,7 +115,7 @@ def _client(uri: str):
     # MLflow prints two links (to its GenAI view) per run it ends on a server, after one more request for the
     # run: noise in every stage's log. Our links (`run_url`, Prefect's link artifacts) open the training view.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    return MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=registry_uri)
 
 
 class Tracker:
@@ -129,7 +131,7 @@ class Tracker:
         elif "://" not in artifact_location:  # a plain path: make it absolute, never cwd-relative
             artifact_location = Path(artifact_location).expanduser().resolve().as_uri()
         self.artifact_location = artifact_location
-        self.client = _client(uri)
+        self.client = mlflow_client(uri)
         self.experiment_id = self._get_or_create_experiment()
 
     @classmethod
@@ -347,7 +349,7 @@ class RunLogger:
         self._recent: dict[str, deque[tuple[float, int, int]]] = {}
         self._run_info: tuple[str, dict[str, str]] | None = None  # experiment id, tags of the run
         self._last_flush = time.monotonic()
-        self._client = _client(uri) if self.enabled else None
+        self._client = mlflow_client(uri) if self.enabled else None
         self.dropped = 0
         self.closed = False
 

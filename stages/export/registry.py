@@ -57,12 +57,9 @@ def checkpoint_step(checkpoint: str | Path) -> int | None:
 
 
 def registry_client(tracking_uri: str):
-    import logging
+    from infra.tracking import mlflow_client
 
-    from mlflow import MlflowClient
-
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    return mlflow_client(tracking_uri, registry_uri=tracking_uri)
 
 
 def is_not_found(exc: Exception) -> bool:
