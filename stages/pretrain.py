@@ -64,13 +64,13 @@ def _bad_nodes(spec: JobSpec) -> dict[str, str]:
 def _exclude_bad_nodes(launcher, spec: JobSpec, bad: dict[str, str]) -> str:
     """Nodes the failed job's health checks found bad (the per-node probe before the job, the trainer's
     pre-flight: reports in the job's output store, or in this machine's workdir when the store was what
-    failed) go into the launcher's exclude list (Slurm: the exclude file every later submit reads), so
-    the task's retry runs elsewhere."""
+    failed) go into the launcher's exclude file, which every later submit reads (Slurm: `--exclude`;
+    Kubernetes: a required node affinity), so the task's retry runs elsewhere."""
     if not bad:
         return ""
     exclude = getattr(launcher, "exclude_file", None)
     if exclude is not None:
-        from infra.launch.slurm import record_bad_nodes
+        from infra.launch.exclude import record_bad_nodes
 
         record_bad_nodes(exclude, sorted(bad), reason=f"{spec.job_id} pre-flight: " + "; ".join(bad.values()))
         return f"; pre-flight failed on {', '.join(sorted(bad))}: excluded from later submits ({exclude})"

@@ -22,6 +22,13 @@ _QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
+def _node_names(nodes: list[str]) -> list[str]:
+    for node in nodes:
+        if not node or any(c.isspace() for c in node) or "," in node:
+            raise ValueError(f"exclude entry {node!r} must be one node name (no spaces or commas)")
+    return nodes
+
+
 class SlurmConfig(Section):
     """An sbatch job: one task per node, each task a torchrun agent starting nproc_per_node ranks."""
 
@@ -71,10 +78,7 @@ class SlurmConfig(Section):
     @field_validator("exclude")
     @classmethod
     def _nodes(cls, v: list[str]) -> list[str]:
-        for node in v:
-            if not node or any(c.isspace() for c in node) or "," in node:
-                raise ValueError(f"exclude entry {node!r} must be one node name (no spaces or commas)")
-        return v
+        return _node_names(v)
 
     @field_validator("extra_args")
     @classmethod
@@ -105,6 +109,14 @@ class KubernetesConfig(Section):
         None, description="Secret whose keys become env (e.g. AWS credentials for s3://)"
     )
     node_selector: dict[str, str] = Field(default_factory=dict)
+    exclude: list[str] = Field(
+        default_factory=list, description="nodes never to use (a required node affinity: metadata.name NotIn)"
+    )
+    exclude_file: str | None = Field(
+        None,
+        description="file listing nodes that failed health checks, one per line; "
+        "default {workdir}/kubernetes/exclude-nodes.txt, appended to by the stage when a node's probe fails",
+    )
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list, description="pod tolerations, in Kubernetes' own shape"
     )
@@ -128,6 +140,11 @@ class KubernetesConfig(Section):
         if len(v) > 63 or not _DNS_LABEL.match(v):
             raise ValueError(f"namespace {v!r} must be a DNS label: lower-case letters, digits and '-', at most 63")
         return v
+
+    @field_validator("exclude")
+    @classmethod
+    def _nodes(cls, v: list[str]) -> list[str]:
+        return _node_names(v)
 
     @field_validator("cpu", "memory", "shm_size")
     @classmethod

@@ -1,4 +1,4 @@
-"""Start the stand-in cluster (API server, controllers, one node) and write its kubeconfig.
+"""Start the stand-in cluster (API server, controllers, one node or more) and write its kubeconfig.
 
 In a test: `with StandinCluster(tmp) as cluster: ... cluster.kubeconfig ...`. From a shell (what
 start.sh runs): `python -m infra.k8s.cluster --root DIR [--port P]` serves until SIGTERM and writes
@@ -31,11 +31,18 @@ def write_kubeconfig(path: Path, server: str, namespace: str = "default") -> Pat
 
 
 class StandinCluster:
-    def __init__(self, root: Path, port: int = 0, period_s: float = 0.2, image_env: dict[str, str] | None = None):
+    def __init__(self, root: Path, port: int = 0, period_s: float = 0.2, image_env: dict[str, str] | None = None,
+                 nodes: int = 1):  # fmt: skip
         self.root = Path(root)
         self.apiserver = ApiServer(self.root / "node" / "logs", port=port)
         self.controllers = ControllerManager(self.apiserver.url, period_s)
-        self.node = NodeAgent(self.apiserver.url, self.root / "node", image_env=image_env, period_s=period_s)
+        # Node i keeps its state in node/ (i = 0) or node-i/; each runs its own pods.
+        self.nodes = [
+            NodeAgent(self.apiserver.url, self.root / ("node" if i == 0 else f"node-{i}"), name=f"standin-node-{i}",
+                      image_env=image_env, period_s=period_s, log_root=self.apiserver.log_root)
+            for i in range(nodes)
+        ]  # fmt: skip
+        self.node = self.nodes[0]
         self.kubeconfig = self.root / "kubeconfig"
         self._serve = threading.Thread(target=self.apiserver.serve_forever, name="k8s-apiserver", daemon=True)
 
@@ -45,14 +52,16 @@ class StandinCluster:
 
     def start(self) -> "StandinCluster":
         self._serve.start()
-        self.node.start()
+        for node in self.nodes:
+            node.start()
         self.controllers.start()
         write_kubeconfig(self.kubeconfig, self.url)
         return self
 
     def stop(self) -> None:
         self.controllers.stop()
-        self.node.stop()
+        for node in self.nodes:
+            node.stop()
         self.apiserver.shutdown()
         self.apiserver.server_close()
 
@@ -67,11 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, type=Path, help="state folder: kubeconfig, node/, logs")
     parser.add_argument("--port", type=int, default=0, help="API server port on 127.0.0.1 (0: any free one)")
+    parser.add_argument("--nodes", type=int, default=1, help="how many nodes (standin-node-0, -1, ...)")
     args = parser.parse_args(argv)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    cluster = StandinCluster(args.root, port=args.port).start()
+    cluster = StandinCluster(args.root, port=args.port, nodes=args.nodes).start()
     print(f"stand-in Kubernetes API at {cluster.url}; kubeconfig {cluster.kubeconfig}", flush=True)
     done.wait()
     cluster.stop()

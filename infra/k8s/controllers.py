@@ -1,5 +1,6 @@
 """The controllers our jobs need, each one reconcile pass over what the API lists:
-- scheduler: binds each pending pod to a node whose labels match its nodeSelector and whose
+- scheduler: binds each pending pod to a node whose labels match its nodeSelector, that its required
+  node affinity admits (matchExpressions on labels, matchFields on metadata.name), and whose
   allocatable cpu, memory and nvidia.com/gpu still fit its requests (else PodScheduled=False, Unschedulable);
 - Job controller (batch/v1): one pod per missing completion, Indexed mode's hostnames and
   JOB_COMPLETION_INDEX, backoffLimit, the FailureTarget/Failed and SuccessCriteriaMet/Complete conditions;
@@ -72,6 +73,30 @@ def _requests(pod: dict) -> dict[str, object]:
     return total
 
 
+def _term_matches(term: dict, node: dict) -> bool:
+    """One nodeSelectorTerm: every matchExpression (on labels) and matchField (metadata.name) holds."""
+    labels, name = node["metadata"].get("labels") or {}, node["metadata"]["name"]
+    checks = [(labels.get(e["key"]), e) for e in term.get("matchExpressions") or []]
+    checks += [(name if f["key"] == "metadata.name" else None, f) for f in term.get("matchFields") or []]
+    for value, req in checks:
+        op, values = req["operator"], req.get("values") or []
+        ok = {"In": value is not None and value in values, "NotIn": value is None or value not in values,
+              "Exists": value is not None, "DoesNotExist": value is None}.get(op)  # fmt: skip
+        if ok is None:
+            raise ValueError(f"node affinity operator {op!r} is not supported by the stand-in scheduler")
+        if not ok:
+            return False
+    return True
+
+
+def _fits_affinity(pod: dict, node: dict) -> bool:
+    """requiredDuringSchedulingIgnoredDuringExecution: the terms are ORed (as kube-scheduler does)."""
+    required = (((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})  # fmt: skip
+    terms = required.get("nodeSelectorTerms") or []
+    return not terms or any(_term_matches(t, node) for t in terms)
+
+
 def schedule(api: Rest) -> None:
     from kubernetes.utils.quantity import parse_quantity
 
@@ -89,7 +114,9 @@ def schedule(api: Rest) -> None:
         want, why = _requests(pod), []
         for node in nodes:
             name, labels = node["metadata"]["name"], node["metadata"].get("labels") or {}
-            if any(labels.get(k) != v for k, v in (pod["spec"].get("nodeSelector") or {}).items()):
+            if any(labels.get(k) != v for k, v in (pod["spec"].get("nodeSelector") or {}).items()) or not _fits_affinity(
+                pod, node
+            ):
                 why.append("node(s) didn't match Pod's node affinity/selector")
                 continue
             free = {r: parse_quantity(v) - used[name].get(r, 0) for r, v in node["status"].get("allocatable", {}).items()}

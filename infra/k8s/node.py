@@ -140,11 +140,12 @@ class Container:
 
 class NodeAgent:
     def __init__(self, server: str, root: Path, name: str = "standin-node-0", labels: dict[str, str] | None = None,
-                 image_env: dict[str, str] | None = None, period_s: float = 0.2):  # fmt: skip
+                 image_env: dict[str, str] | None = None, period_s: float = 0.2, log_root: Path | None = None):  # fmt: skip
         self.api, self.root, self.name, self.period_s = Rest(server), Path(root), name, period_s
         self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
         self.image_env = image_env or default_image_env()
-        self.log_root = self.root / "logs"
+        # where the API server reads pods' logs (`kubectl logs`); shared by the nodes of one stand-in
+        self.log_root = Path(log_root) if log_root else self.root / "logs"
         self.hosts_file = self.root / "hosts"
         self.containers: dict[str, Container] = {}  # pod uid -> its (one) running container
         self.pod_ips: dict[str, str] = {}  # pod uid -> its loopback address

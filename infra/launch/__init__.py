@@ -33,8 +33,10 @@ def get_launcher(cfg: "LifecycleConfig", module: str = "trainer", echo: bool = F
                                          env={"EIGHTFOLD_DEVICE": cfg.infra.device})
     if kind == "kubernetes":
         from infra.launch.kubernetes import KubernetesLauncher
+        from infra.workspace import Workspace
 
-        return KubernetesLauncher(cfg.infra.kubernetes, module=module, env={"EIGHTFOLD_DEVICE": cfg.infra.device})
+        return KubernetesLauncher.from_config(cfg, Workspace.from_config(cfg).workdir, module=module,
+                                              env={"EIGHTFOLD_DEVICE": cfg.infra.device})
     raise ValueError(f"infra.launcher={kind!r}: unknown launcher (local, slurm, kubernetes)")
 
 

@@ -29,10 +29,12 @@ import yaml
 
 from infra.config.launch import KubernetesConfig
 from infra.launch.base import follow_file, read_result
+from infra.launch.exclude import excluded_nodes
 from infra.launch.job import JobResult, JobSpec
 from infra.templates import render_template
 
 JOB_FILE_IN_POD = "/etc/eightfold/job.yaml"
+EXCLUDE_FILE = Path("kubernetes") / "exclude-nodes.txt"  # under the infra workdir
 KINDS = {
     # kind -> (template, group, version, plural, object kind)
     "jobset": ("jobset.yaml.j2", "jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet"),
@@ -90,10 +92,11 @@ def render(
     nproc_per_node: int | None = None,
     module: str = "trainer",
     env: dict[str, str] | None = None,
+    exclude: list[str] | None = None,
     validate: bool = True,
 ) -> list[dict[str, Any]]:
     """[ConfigMap with the job file, (headless Service, for kind job), the workload] for this job,
-    validated unless told not to."""
+    validated unless told not to. `exclude`: nodes no pod may land on (default the config's own list)."""
     if config.image is None:
         raise ManifestError("infra.kubernetes", ["image: not set; the pods need the project's container image"])
     nnodes, nproc = _shape(spec, nnodes, nproc_per_node)
@@ -134,6 +137,8 @@ def render(
         "restart_policy": restart_policy,
         "service_account": config.service_account,
         "node_selector": config.node_selector,
+        # By the Node object's name (what the probe reports as spec.nodeName), not a label that may differ.
+        "exclude_nodes": list(dict.fromkeys([*config.exclude, *(exclude or [])])),
         "tolerations": config.tolerations,
         "container_name": container,
         "image": config.image,
@@ -723,14 +728,30 @@ class KubernetesLauncher:
         nproc_per_node: int | None = None,
         module: str = "trainer",
         env: dict[str, str] | None = None,
+        exclude_file: str | Path | None = None,
     ):
         self.config = config or KubernetesConfig()
         self.nnodes, self.nproc_per_node, self.module = nnodes, nproc_per_node, module
         self.env = dict(env or {})
+        self.exclude_file = Path(exclude_file) if exclude_file else (
+            Path(self.config.exclude_file) if self.config.exclude_file else None
+        )
+
+    @classmethod
+    def from_config(cls, cfg, workdir: str | Path, **kwargs) -> "KubernetesLauncher":
+        """From a LifecycleConfig: `infra.kubernetes`, with the exclude file defaulting to the workdir's
+        (on the machine that submits, like Slurm's: the stage records bad nodes there before its retry)."""
+        k8s = cfg.infra.kubernetes
+        exclude_file = Path(k8s.exclude_file) if k8s.exclude_file else Path(workdir) / EXCLUDE_FILE
+        return cls(k8s, exclude_file=exclude_file, **kwargs)
+
+    def excluded_nodes(self) -> list[str]:
+        return excluded_nodes(self.config.exclude, self.exclude_file)
 
     def render(self, spec: JobSpec) -> list[dict[str, Any]]:
         return render(
-            spec, self.config, nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, module=self.module, env=self.env
+            spec, self.config, nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, module=self.module, env=self.env,
+            exclude=self.excluded_nodes(),
         )
 
     def submit(self, spec: JobSpec, job_file: Path | None = None) -> KubernetesJob:

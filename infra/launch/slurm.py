@@ -25,6 +25,7 @@ from typing import Iterator
 
 from infra.config.launch import SlurmConfig
 from infra.launch.base import follow_file, read_result
+from infra.launch.exclude import excluded_nodes, read_exclude_file, record_bad_nodes  # noqa: F401  (re-exported)
 from infra.launch.job import JobResult, JobSpec
 from infra.node_health import NODE_HEALTH_EXIT
 from infra.templates import render_template
@@ -67,30 +68,6 @@ def _failure(what: str, out: subprocess.CompletedProcess) -> SlurmError:
             '`eval "$(bash infra/slurm/start.sh)"`)'
         )
     return SlurmError(f"{what} failed (exit {out.returncode}): {text}")
-
-
-def read_exclude_file(path: str | Path | None) -> list[str]:
-    """Node names in an exclude file: one per line, `#` starts a comment; a missing file is empty."""
-    if path is None or not Path(path).exists():
-        return []
-    nodes = []
-    for line in Path(path).read_text().splitlines():
-        name = line.split("#", 1)[0].strip()
-        if name:
-            nodes.append(name)
-    return nodes
-
-
-def record_bad_nodes(path: str | Path, nodes: list[str], reason: str = "") -> None:
-    """Append nodes that failed a health check to an exclude file (read by every later submit)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    known = set(read_exclude_file(path))
-    with open(path, "a") as f:
-        for node in nodes:
-            if node not in known:
-                f.write(f"{node}{'  # ' + reason if reason else ''}\n")
-                known.add(node)
 
 
 def parse_job_record(text: str) -> dict[str, str]:
@@ -243,7 +220,7 @@ class SlurmLauncher:
         return cls(slurm, exclude_file=exclude_file, **kwargs)
 
     def excluded_nodes(self) -> list[str]:
-        return list(dict.fromkeys(self.config.exclude + read_exclude_file(self.exclude_file)))
+        return excluded_nodes(self.config.exclude, self.exclude_file)
 
     def _shape(self, spec: JobSpec) -> tuple[int, int]:
         parallel = spec.config.get("parallel") or {}

@@ -48,6 +48,8 @@ def _spec(nnodes: int = 2, nproc: int = 4, output: str = "s3://bucket/exp/pretra
 def _pods(doc: dict) -> list[dict]:
     if doc["kind"] == "JobSet":
         return [r["template"]["spec"]["template"] for r in doc["spec"]["replicatedJobs"]]
+    if doc["kind"] == "Job":
+        return [doc["spec"]["template"]]
     return [r["template"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
 
 
@@ -329,3 +331,21 @@ def test_no_health_init_container_when_health_checks_are_off():
     spec.config["infra"]["health_check"] = False
     _, job = render(spec, KubernetesConfig(image=IMAGE))
     assert all("initContainers" not in pod["spec"] for pod in _pods(job))
+
+
+@pytest.mark.parametrize("kind", ["jobset", "pytorchjob", "job"])
+def test_excluded_nodes_become_a_required_node_affinity_by_name(kind, tmp_path):
+    """The config's `exclude` and the exclude file the stage appends to (infra/launch/exclude.py) both
+    keep every pod off those nodes; the manifest still validates; without any, no affinity at all."""
+    exclude_file = tmp_path / "exclude-nodes.txt"
+    exclude_file.write_text("gpu-17  # pre-flight: matmul 40% slow\n")
+    cfg = KubernetesConfig(kind=kind, image=IMAGE, exclude=["gpu-03", "gpu-17"], exclude_file=str(exclude_file))
+    job = KubernetesLauncher(cfg).render(_spec())[-1]  # validated
+    for pod in _pods(job):
+        terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms == {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["gpu-03", "gpu-17"]}]}]}
+    plain = render(_spec(), KubernetesConfig(kind=kind, image=IMAGE))[-1]
+    assert all("affinity" not in pod["spec"] for pod in _pods(plain))
+    with pytest.raises(ValidationError, match="must be one node name"):
+        KubernetesConfig(image=IMAGE, exclude=["gpu 1"])

@@ -115,6 +115,48 @@ def test_a_node_failing_its_health_probe_is_named_and_no_rank_starts(k8s_cluster
     assert list(bad) == [node] and "injected" in bad[node]
 
 
+def test_the_retry_after_a_failed_probe_stays_off_that_node(s3_endpoint, s3_store, tmp_path):
+    """Two nodes; the first fails its probe (injected) under both pods of a plain Indexed Job. The
+    stage's own failure path (stages/pretrain.py) reads the bad node from the store and records it in
+    the launcher's exclude file; the retry, a new launcher from the same config as Prefect's task
+    retry makes, renders a required node affinity without that node, and its pods land on the other
+    node and complete. The old code had nothing to exclude: the retry went back to the bad node."""
+    from infra.k8s.cluster import StandinCluster
+    from stages.pretrain import _bad_nodes, _exclude_bad_nodes
+
+    with StandinCluster(tmp_path / "k8s", nodes=2) as cluster:
+        bad_node, good_node = (n.name for n in cluster.nodes)
+        api = client.CoreV1Api(kube_config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+        creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+        api.create_namespaced_secret("default", {"metadata": {"name": SECRET}, "stringData": creds})
+        exclude_file = tmp_path / "work" / "kubernetes" / "exclude-nodes.txt"
+        cfg, spec = _job(tmp_path, cluster, s3_endpoint, s3_store.bucket, "job", "allreduce",
+                         exclude_file=str(exclude_file))  # fmt: skip
+        spec = spec.model_copy(update={"env": {**spec.env, "EIGHTFOLD_FAULT_BAD_NODE": bad_node}})
+        launcher = get_launcher(cfg, module=WORKER)
+        job = launcher.submit(spec, spec.write(Path(spec.workdir) / "job.yaml"))
+        assert job.wait(timeout=120) != 0
+        assert "init container node-health: exit code 75" in job.log_path.read_text()
+        assert {p.spec.node_name for p in job.pods()} == {bad_node}
+
+        bad = _bad_nodes(spec)
+        assert list(bad) == [bad_node]
+        assert "excluded from later submits" in _exclude_bad_nodes(launcher, spec, bad)
+
+        retry = spec.model_copy(update={"job_id": f"{spec.job_id}-r1", "attempt": 1,
+                                        "workdir": str(Path(spec.workdir).with_name(f"{spec.job_id}-r1"))})  # fmt: skip
+        launcher = get_launcher(cfg, module=WORKER)
+        pod_spec = launcher.render(retry)[-1]["spec"]["template"]["spec"]
+        term = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["nodeSelectorTerms"] == [
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": [bad_node]}]}
+        ]
+        job = launcher.submit(retry, retry.write(Path(retry.workdir) / "job.yaml"))
+        assert job.wait(timeout=120) == 0, job.log_path.read_text()
+        assert {p.spec.node_name for p in job.pods()} == {good_node}
+        assert launcher.result(retry).status == "completed"
+
+
 def test_pods_that_fit_no_node_stay_pending_and_say_why(k8s_cluster, core, s3_endpoint, s3_store, tmp_path):
     # The node has no GPU: the scheduler leaves the pods Pending, as a real one does.
     _, spec, job = _launch(tmp_path, k8s_cluster, s3_endpoint, s3_store.bucket, "jobset", "allreduce", gpus_per_pod=1)
