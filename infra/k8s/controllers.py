@@ -89,8 +89,12 @@ def _term_matches(term: dict, node: dict) -> bool:
     return True
 
 
-def _fits_affinity(pod: dict, node: dict) -> bool:
-    """requiredDuringSchedulingIgnoredDuringExecution: the terms are ORed (as kube-scheduler does)."""
+def _node_admits(pod: dict, node: dict) -> bool:
+    """The pod's nodeSelector and its requiredDuringSchedulingIgnoredDuringExecution node affinity
+    (terms ORed, as kube-scheduler does) both admit the node."""
+    labels = node["metadata"].get("labels") or {}
+    if any(labels.get(k) != v for k, v in (pod["spec"].get("nodeSelector") or {}).items()):
+        return False
     required = (((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {})
                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {})  # fmt: skip
     terms = required.get("nodeSelectorTerms") or []
@@ -113,10 +117,8 @@ def schedule(api: Rest) -> None:
             continue
         want, why = _requests(pod), []
         for node in nodes:
-            name, labels = node["metadata"]["name"], node["metadata"].get("labels") or {}
-            if any(labels.get(k) != v for k, v in (pod["spec"].get("nodeSelector") or {}).items()) or not _fits_affinity(
-                pod, node
-            ):
+            name = node["metadata"]["name"]
+            if not _node_admits(pod, node):
                 why.append("node(s) didn't match Pod's node affinity/selector")
                 continue
             free = {r: parse_quantity(v) - used[name].get(r, 0) for r, v in node["status"].get("allocatable", {}).items()}

@@ -31,6 +31,6 @@ def record_bad_nodes(path: str | Path, nodes: list[str], reason: str = "") -> No
                 known.add(node)
 
 
-def excluded_nodes(configured: list[str], exclude_file: str | Path | None) -> list[str]:
-    """The config's own list, then the file's, each node once."""
-    return list(dict.fromkeys([*configured, *read_exclude_file(exclude_file)]))
+def excluded_nodes(configured: list[str], recorded: list[str]) -> list[str]:
+    """The config's own list, then the recorded ones (an exclude file's), each node once."""
+    return list(dict.fromkeys([*configured, *recorded]))

@@ -29,7 +29,7 @@ import yaml
 
 from infra.config.launch import KubernetesConfig
 from infra.launch.base import follow_file, read_result
-from infra.launch.exclude import excluded_nodes
+from infra.launch.exclude import excluded_nodes, read_exclude_file
 from infra.launch.job import JobResult, JobSpec
 from infra.templates import render_template
 
@@ -96,7 +96,7 @@ def render(
     validate: bool = True,
 ) -> list[dict[str, Any]]:
     """[ConfigMap with the job file, (headless Service, for kind job), the workload] for this job,
-    validated unless told not to. `exclude`: nodes no pod may land on (default the config's own list)."""
+    validated unless told not to. `exclude`: nodes no pod may land on, besides the config's own list."""
     if config.image is None:
         raise ManifestError("infra.kubernetes", ["image: not set; the pods need the project's container image"])
     nnodes, nproc = _shape(spec, nnodes, nproc_per_node)
@@ -138,7 +138,7 @@ def render(
         "service_account": config.service_account,
         "node_selector": config.node_selector,
         # By the Node object's name (what the probe reports as spec.nodeName), not a label that may differ.
-        "exclude_nodes": list(dict.fromkeys([*config.exclude, *(exclude or [])])),
+        "exclude_nodes": excluded_nodes(config.exclude, exclude or []),
         "tolerations": config.tolerations,
         "container_name": container,
         "image": config.image,
@@ -745,13 +745,10 @@ class KubernetesLauncher:
         exclude_file = Path(k8s.exclude_file) if k8s.exclude_file else Path(workdir) / EXCLUDE_FILE
         return cls(k8s, exclude_file=exclude_file, **kwargs)
 
-    def excluded_nodes(self) -> list[str]:
-        return excluded_nodes(self.config.exclude, self.exclude_file)
-
     def render(self, spec: JobSpec) -> list[dict[str, Any]]:
         return render(
             spec, self.config, nnodes=self.nnodes, nproc_per_node=self.nproc_per_node, module=self.module, env=self.env,
-            exclude=self.excluded_nodes(),
+            exclude=read_exclude_file(self.exclude_file),
         )
 
     def submit(self, spec: JobSpec, job_file: Path | None = None) -> KubernetesJob:

@@ -220,7 +220,7 @@ class SlurmLauncher:
         return cls(slurm, exclude_file=exclude_file, **kwargs)
 
     def excluded_nodes(self) -> list[str]:
-        return excluded_nodes(self.config.exclude, self.exclude_file)
+        return excluded_nodes(self.config.exclude, read_exclude_file(self.exclude_file))
 
     def _shape(self, spec: JobSpec) -> tuple[int, int]:
         parallel = spec.config.get("parallel") or {}
