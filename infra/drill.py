@@ -7,7 +7,8 @@ machine), else the local launcher's simulated nodes; either way each node has it
 and input cache, and they share nothing but the store. The drill runs the config's pretrain job:
 1. the reference: two nodes x one rank, never interrupted;
 2. the drilled job on two nodes; when rank 1 has finished a random step after the first committed
-   checkpoint, every process of its node is SIGKILLed at once (agent and ranks: the node is gone);
+   checkpoint (held there by trainer/faults.py until then), every process of its node is SIGKILLed at
+   once (agent and ranks: the node is gone);
    the other node's collectives fail and the launch ends `failed`;
 3. the retry, as the stage's task would launch it (`resume: latest`, the next attempt number): on two
    nodes again, or with `elastic` on the node that is left (Slurm: the lost node excluded), the
@@ -39,6 +40,7 @@ from infra.launch.job import JobResult, JobSpec
 from infra.store import open_store
 from infra.workspace import Workspace
 from trainer.checkpoint import committed_steps
+from trainer.faults import ENV as FAULTS_ENV
 
 AUDIT_ENV = "EIGHTFOLD_AUDIT_WRITES"  # trainer/audit.py
 # dp2 -> dp1 after the resume changes the order gradients are summed in, so bit-equality is not promised
@@ -219,6 +221,12 @@ def node_loss(cfg: LifecycleConfig, tokens_uri: str, *, elastic: bool | None = N
     reference = _wait_completed(ref_spec, cluster.launch(ref_spec, two, audit), "the reference run", timeout)
 
     spec = _spec(two, ws, tokens_uri, drill_id, "drilled")
+    # Rank 1 is held after step kill_at (its training thread sleeps; its checkpoint uploads go on) until
+    # its node is killed, so the kill lands at kill_at on any machine's speed: unheld, a slow commit of
+    # the first checkpoint let rank 1 run on to the last step before the kill. The retry (attempt 1) is
+    # not held: faults fire on the job attempt they name only.
+    hold = {"hang_rank": 1, "hang_step": kill_at, "hang_mode": "sleep"}
+    spec = spec.model_copy(update={"env": {**spec.env, FAULTS_ENV: json.dumps(hold)}})
     log(f"drill: drilled run; the node of rank 1 is lost after step {kill_at}")
     handle = cluster.launch(spec, two, audit)
     deadline = time.monotonic() + timeout
