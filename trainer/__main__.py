@@ -55,6 +55,30 @@ def run_job(job_file: str) -> int:
     return {"completed": 0, "failed": 1, "diverged": 2}[result.status]
 
 
+EXIT_GRACE_S = 60.0
+
+
+def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+    """Exit with `code`; if the interpreter's shutdown (atexit handlers, joins of non-daemon threads a
+    library left behind) takes longer than `grace_s`, print every thread's stack and leave at once.
+    Everything the job owes is written by then (result.json last), and a rank hung in its shutdown would
+    keep its launcher waiting until the task's timeout: seen in CI once after a completed SFT job."""
+    import faulthandler
+    import os
+    import threading
+
+    def _leave() -> None:
+        print(f"trainer: shutdown took over {grace_s:.0f}s; threads still running:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(code)
+
+    watchdog = threading.Timer(grace_s, _leave)
+    watchdog.daemon = True
+    watchdog.start()
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -64,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_within(main())

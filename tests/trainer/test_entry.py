@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,21 @@ def test_bad_input_ends_failed_with_a_message(tmp_path):
     result = JobResult.model_validate_json((out / "result.json").read_text())
     assert result.status == "failed"
     assert "missing" in result.message and "does not exist" in result.message
+
+
+def test_a_rank_whose_shutdown_hangs_still_exits_with_its_code_and_says_where():
+    """A non-daemon thread a library leaves running would block the interpreter's exit for ever (and
+    the launcher with it): after the grace period the process leaves with the job's code and prints
+    every thread's stack, the stuck one included."""
+    code = ("import threading, time\n"
+            "from trainer.__main__ import exit_within\n"
+            "threading.Thread(target=lambda: time.sleep(3600), name='leaked-uploader').start()\n"
+            "exit_within(0, grace_s=1.0)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 60  # without the watchdog: an hour
+    # the stuck thread's frame (line 3 of the script) and the main thread waiting on it in threading._shutdown
+    assert "shutdown took over 1s" in proc.stderr and 'File "<string>", line 3' in proc.stderr, proc.stderr
+    assert "in _shutdown" in proc.stderr, proc.stderr
