@@ -9,12 +9,14 @@ the stage's MLflow run (`ctx.run_id`).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from infra.launch import get_launcher
+from infra.launch.base import read_result
 from infra.launch.job import JobResult, JobSpec
 
 from .activation_plot import plot_activation_stats
@@ -23,6 +25,8 @@ from .base import StageContext
 from .job_tracking import fetch_output_file, job_step, job_tracking, replay_metrics
 
 __all__ = ["TrainingJobFailed", "TrainingDiverged", "DivergenceBudgetSpent", "job_spec", "launch_and_wait", "run"]
+
+log = logging.getLogger(__name__)
 
 
 def job_spec(ctx: StageContext, stage: str = "pretrain", section: str = "pretrain") -> JobSpec:
@@ -78,28 +82,53 @@ def _exclude_bad_nodes(launcher, spec: JobSpec, bad: dict[str, str]) -> str:
 
 
 PROGRESS_EVERY_S = 30.0  # each look reads the job's metrics.jsonl from its output
+# A job that wrote its completed result.json (rank 0, last, after every rank left the process group) gets
+# this long to exit; trainer.__main__ gives its ranks 60 s to shut down before they leave at once.
+TEARDOWN_GRACE_S = 90.0
 
 
 def wait_reporting_progress(ctx: StageContext, spec: JobSpec, handle, timeout: float | None = None) -> int:
     """`handle.wait(timeout)` in slices; after each, the job's last step (its metrics.jsonl) goes to
-    `ctx.report_progress` as a fraction of the job's steps when it moved."""
+    `ctx.report_progress` as a fraction of the job's steps when it moved. A job whose completed
+    result.json is in but whose processes are still there TEARDOWN_GRACE_S later (a rank stuck in its
+    interpreter's shutdown, in a library's thread or destructor) is cancelled and counts as completed:
+    its work is committed, and waiting would only time the task out and retry it."""
     deadline = None if timeout is None else time.monotonic() + timeout
     section: Any = spec.config
     for part in spec.section.split("."):  # pretrain, posttrain.sft, ...
         section = section.get(part, {}) if isinstance(section, dict) else {}
     total = int(section.get("steps") or 0)
-    reported = None
+    reported, done_at = None, None
     while True:
         left = PROGRESS_EVERY_S if deadline is None else min(PROGRESS_EVERY_S, max(0.0, deadline - time.monotonic()))
+        if done_at is not None:
+            left = min(left, max(0.0, done_at + TEARDOWN_GRACE_S - time.monotonic()))
         try:
             return handle.wait(left)
         except TimeoutError:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
+        if done_at is None:
+            if _completed(spec):
+                done_at = time.monotonic()
+        elif time.monotonic() - done_at >= TEARDOWN_GRACE_S:
+            log.warning("%s: completed (result.json written) but its processes were still running %.0f s later; "
+                        "cancelling them (their stacks are in %s)", spec.job_id, TEARDOWN_GRACE_S, handle.log_path)
+            handle.cancel()
+            return 0
         step = job_step(spec)
         if step is not None and step != reported and total > 0:
             ctx.report_progress(min(1.0, step / total), f"{spec.job_id}: step {step}/{total}")
             reported = step
+
+
+def _completed(spec: JobSpec) -> bool:
+    """This launch of the job wrote a completed result.json (not an earlier launch or job)."""
+    try:
+        result = read_result(spec)
+    except ValueError:  # half-written or foreign: not ours yet
+        return False
+    return result is not None and result.status == "completed" and result.written_by(spec)
 
 
 def launch_and_wait(ctx: StageContext, spec: JobSpec, timeout: float | None = None) -> JobResult:

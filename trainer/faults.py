@@ -12,6 +12,7 @@ rather than failing the same way again.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -55,7 +56,9 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if c.hang_rank == self.rank and c.hang_step == step:
             self._say(f"hangs after step {step} ({c.hang_mode})")
-            if c.hang_mode == "stop":
+            if c.hang_mode == "shutdown":  # the job goes on and ends; the process never exits
+                atexit.register(_block_holding_the_gil)
+            elif c.hang_mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 while True:  # the peers' next collective times out
@@ -89,6 +92,14 @@ class Faults:
         if self.armed and self.rank == 0 and c.corrupt_checkpoint_step == step:
             self._say(f"damages checkpoint step {step} ({c.corrupt_mode})")
             damage_checkpoint(store, step, c.corrupt_mode)
+
+
+def _block_holding_the_gil() -> None:
+    """libc's pause() called through PyDLL, which keeps the GIL: no Python thread (no watchdog) runs
+    again, as in a library's destructor stuck in C. Only a signal ends the process."""
+    import ctypes
+
+    ctypes.PyDLL(None).pause()
 
 
 class ScaledObjective:

@@ -18,7 +18,9 @@ class FaultsConfig(Section):
     kill_step: int | None = Field(None, ge=1, description="... after completing this many steps")
     hang_rank: int | None = Field(None, ge=0, description="this rank hangs ...")
     hang_step: int | None = Field(None, ge=1, description="... after completing this many steps")
-    hang_mode: Literal["stop", "sleep"] = Field("stop", description="SIGSTOP itself, or sleep before the next collective")
+    hang_mode: Literal["stop", "sleep", "shutdown"] = Field(
+        "stop", description="SIGSTOP itself, sleep before the next collective, or finish the job and then never exit "
+        "(blocked in C at interpreter exit, holding the GIL)")
     slow_rank: int | None = Field(None, ge=0, description="this rank is a straggler: sleeps after each forward")
     slow_s: float = Field(0.1, gt=0, description="seconds the slow rank sleeps after each forward of the model")
     nan_step: int | None = Field(None, ge=0, description="the loss of this step (0-based) becomes NaN")

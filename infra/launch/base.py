@@ -66,8 +66,9 @@ def read_result(spec: JobSpec) -> JobResult | None:
 
 
 def write_result(spec: JobSpec, result: JobResult) -> str:
-    """What a job's rank 0 calls last; returns the URI written."""
+    """What a job's rank 0 calls last; returns the URI written. The result names its job and attempt."""
     store = open_store(spec.output, endpoint_url=endpoint_for(spec))
+    result = result.model_copy(update={"job_id": spec.job_id, "attempt": spec.attempt})
     store.put_bytes(result.model_dump_json(indent=2).encode(), RESULT_FILE)
     return f"{spec.output.rstrip('/')}/{RESULT_FILE}"
 

@@ -87,3 +87,8 @@ class JobResult(BaseModel):
     message: str = ""
     skip_windows: list[list[int]] = Field(default_factory=list, description="data windows skipped after spikes")
     resumed_from_step: int | None = Field(None, description="the checkpoint step this launch resumed from")
+    job_id: str | None = Field(None, description="the job that wrote it (a forced re-run's output may hold an old one)")
+    attempt: int | None = Field(None, description="which launch of that job wrote it")
+
+    def written_by(self, spec: JobSpec) -> bool:
+        return (self.job_id, self.attempt) == (spec.job_id, spec.attempt)

@@ -74,18 +74,29 @@ def micro_run(tmp_path_factory, postgres_url, s3_endpoint):  # noqa: F811
         except BaseException:
             _print_job_logs(work)
             raise
+        _print_retries(root / "worker.log", work)
         with pytest.MonkeyPatch.context() as mp, temporary_settings(updates={PREFECT_API_URL: team.prefect_api}):
             mp.setenv("EIGHTFOLD_WORKDIR", str(work))
             mp.delenv("MLFLOW_TRACKING_URI", raising=False)
             yield MicroRun(team, cfg["infra"]["store"], work, audit)
 
 
-def _print_job_logs(work: Path) -> None:
+def _print_job_logs(work: Path, last: int = 30) -> None:
     """The last lines of every training job's log (each node's and the launcher's): what CI shows of a
     failed lifecycle."""
     for log in sorted(work.rglob("logs/*.log")):
-        lines = log.read_text(errors="replace").splitlines()[-30:]
+        lines = log.read_text(errors="replace").splitlines()[-last:]
         print(f"--- {log.relative_to(work)} (last {len(lines)} lines) ---", *lines, sep="\n")
+
+
+def _print_retries(worker_log: Path, work: Path) -> None:
+    """A task the worker retried (a clean lifecycle retries none) or a job cancelled after it completed
+    (stuck in its shutdown): those lines and the jobs' logs, which CI shows beside any failing test."""
+    lines = worker_log.read_text(errors="replace").splitlines()
+    retried = [line for line in lines if "Retry " in line or "cancelling them" in line]
+    if retried:
+        print("--- tasks retried, jobs cancelled ---", *retried, sep="\n")
+        _print_job_logs(work, last=200)  # a cancelled rank's stacks come before its agent's own traceback
 
 
 def _ws() -> Workspace:
