@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compile", action="store_true", help="also time our step with torch.compile per block")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend (aot_eager: graph capture only, a dry run's check)")
+    ap.add_argument("--probe-seconds", type=float, default=1.0, help="CPU: how long the matmul peak probe runs")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (use with --threads 1 on a shared, busy machine: time "
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         peak = peak_flops(device, args.precision)
     else:
-        peak = measure_peak_flops(device, torch.bfloat16 if low else torch.float32, size=1024, seconds=1.0, clock=clock)
+        peak = measure_peak_flops(device, torch.bfloat16 if low else torch.float32, size=1024, seconds=args.probe_seconds,
+                                  clock=clock)
     fpt = flops_per_token(cfg, args.seq)
     result = {
         "benchmark": "train_throughput",
