@@ -6,6 +6,7 @@ Parts, in order (a part that fails writes {"part", "status": "failed", "error"} 
   environment   torch, CUDA, NCCL and torchao versions, the device, its datasheet peak
   cuda_tests    tests marked `cuda` (tests/trainer/test_cuda.py): flash SDPA in bf16, the fused LM-head
                 loss, RMSNorm's backward, MoE routing, document masks, each against its CPU result
+  trainer_job   the trainer itself (trainer/trainer.py) for 8 steps with async checkpoints, bf16 then fp8
   train_*       benchmarks/train_throughput.py on a seed-1b-shaped model (full width, --layers deep) on
                 one device: bf16 (tokens/s, MFU, peak memory vs `eightfold estimate`), bf16 with and
                 without torch.compile, fp8 (torchao tensorwise, with and without compile) and full
@@ -186,6 +187,44 @@ def train_summary(ctx) -> list[dict]:
     return [out]
 
 
+def trainer_job(ctx) -> list[dict]:
+    """The trainer itself (trainer/trainer.py, as `python -m trainer` runs one rank) on byte tokens of the
+    standard library: device pick, datasheet MFU, peak memory, the estimator's figures beside a FLOP
+    count, an async checkpoint mid-run and the final one; in bf16, then in fp8."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fixtures.trainer_data import VOCAB, make_tokens
+    from infra.config import LifecycleConfig
+    from infra.launch.job import JobSpec
+    from trainer.trainer import Trainer
+
+    seq = 32 if ctx.dry else 1024
+    tokens = make_tokens(Path(ctx.tmp) / "tokens", seq_len=seq, max_bytes=60_000 if ctx.dry else 400_000)
+    shape = ({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128} if ctx.dry else
+             {"dim": 2048, "n_layers": 4, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 5632})
+    out = []
+    # a dry run: bf16 only (torchao's emulated float8 multiplies through CPU bf16 GEMMs, seconds a step here;
+    # its trainer path is tests/trainer/test_fp8.py's and the train_fp8 part's)
+    for precision in ("bf16",) if ctx.dry else ("bf16", "fp8"):
+        cfg = LifecycleConfig.model_validate({
+            "name": "gpu-check", "model": {"vocab_size": VOCAB, "max_seq_len": seq, **shape},
+            "tokenizer": {"vocab_size": VOCAB}, "infra": {"device": ctx.device},
+            "pretrain": {"steps": 2 if ctx.dry else 8, "seq_len": seq, "micro_batch_size": 4, "global_batch_size": 8,
+                         "lr": 1e-3, "warmup_steps": 0, "precision": precision, "eval_batches": 1,
+                         "checkpoint": {"every": 1 if ctx.dry else 4, "async_save": True}}})
+        root = Path(ctx.tmp) / f"job-{precision}"
+        spec = JobSpec(job_id=f"gpu-check-{precision}", stage="pretrain", config=cfg.model_dump(mode="json"),
+                       inputs={"tokens": str(tokens)}, output=str(root / "out"), workdir=str(root / "work"),
+                       resume="none")
+        t0 = time.perf_counter()
+        result = Trainer(spec).run()
+        out.append({"precision": precision, "status": "ok" if result.status == "completed" else "failed",
+                    "job_status": result.status, "steps": result.steps, "wall_s": round(time.perf_counter() - t0, 2),
+                    "checkpoint": result.checkpoint, "message": result.message,
+                    **{k: v for k, v in result.metrics.items() if not k.startswith(("act_", "comm/"))}})
+        _free()
+    return out
+
+
 def serve_model(ctx) -> str:
     """A random checkpoint: seed-1b's width and vocabulary, 4 layers (tiny on a dry run), with a BPE
     tokenizer trained on the standard library (stages/serve/testing.py)."""
@@ -212,7 +251,7 @@ def serve(ctx) -> list[dict]:
     model = serve_model(ctx)
     jsonl = Path(ctx.tmp) / "serve.jsonl"
     if ctx.dry:
-        argv = [model, "--device=cpu", "--dtype=float32", "--concurrency-sweep", "1", "2", "4", "--num-prompts=4",
+        argv = [model, "--device=cpu", "--dtype=float32", "--concurrency-sweep", "1", "4", "--num-prompts=4",
                 "--input-len=8", "--output-len=4", "--server=thread", "--enforce-eager", "--threads=1"]
     else:
         argv = [model, "--device=cuda", "--dtype=bfloat16", "--kv-cache-memory-gb=24", "--concurrency-sweep", "1",
@@ -240,7 +279,7 @@ def checkpoint(ctx) -> list[dict]:
     return [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
 
 
-PARTS = {"environment": environment, "cuda_tests": cuda_tests, "train_bf16": train_bf16,
+PARTS = {"environment": environment, "cuda_tests": cuda_tests, "trainer_job": trainer_job, "train_bf16": train_bf16,
          "train_bf16_compile": train_bf16_compile, "train_fp8": train_fp8, "train_summary": train_summary,
          "serve": serve, "checkpoint": checkpoint, "train_checkpointing": train_checkpointing}
 
