@@ -228,15 +228,13 @@ def main(argv: list[str] | None = None) -> dict:
     inputs, targets = rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
     batch = [MicroBatch(inputs, targets, np.arange(args.batch))]
 
-    initial = Transformer(cfg)
-    state = initial.state_dict()
-
     def ours_model(compile_: bool) -> nn.Module:
-        """As the trainer builds it (trainer.parallel.parallelize on one device): bf16 weights with fp32
-        masters in the optimizer, float8 linear layers under fp8, checkpointing, compile."""
-        model = Transformer(cfg).to(device)
-        model.load_state_dict(state)
-        model = parallelize(model, dims, ParallelConfig(), train, device=device)
+        """As the trainer builds it: on the meta device, then trainer.parallel.parallelize on one device
+        (bf16 weights with fp32 masters in the optimizer, float8 linear layers under fp8, checkpointing)
+        allocates it there and fills it from seed 0, so every run starts from the same weights."""
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model = parallelize(model, dims, ParallelConfig(), train, device=device, seed=0)
         if compile_:  # where parallelize would (train.compile), last on one device, with the backend asked
             apply_compile(model, args.compile_backend)
         return model
@@ -244,7 +242,6 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ours = ours_model(False)
-    del initial
     ours_opt = build_optimizer(ours, train)
     objective = LanguageModelling()
     losses: dict[str, list[float]] = {"ours": []}
@@ -257,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
         plain = PlainLlama(cfg).to(device)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         hf = hf_model(cfg)
-        hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v.float() for k, v in state.items()})
+        hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v.float()
+                            for k, v in ours.state_dict().items()})
         hf = hf.to(device)
         # As Hugging Face's Trainer builds it: its default `optim` is "adamw_torch_fused" on torch >= 2.8
         # (transformers TrainingArguments), i.e. torch's fused AdamW, the kernel our optimizer uses too.
