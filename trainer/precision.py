@@ -34,10 +34,6 @@ LOW_PRECISION = ("bf16", "fp8")  # bf16 parameters, fp32 masters, bf16 autocast
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper onwards have FP8 tensor cores (torch._scaled_mm's requirement)
 
 
-def parameter_dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision in LOW_PRECISION else torch.float32
-
-
 def fp8_device_problem(device: torch.device) -> str | None:
     """Why `device` cannot train in float8 (None when it can)."""
     if device.type != "cuda":
@@ -78,6 +74,10 @@ def convert_to_fp8(model: nn.Module, fp8, device: torch.device) -> list[str]:
     from torchao.float8.float8_linear import Float8Linear
 
     config = Float8LinearConfig.from_recipe_name(fp8.recipe)
+    if fp8.recipe == "rowwise":  # as TorchTitan sets it: inductor otherwise fuses rowwise casts inexactly (pytorch#150859)
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
     if fp8.emulate:
         config = dataclasses.replace(config, emulate=True)
     convert_to_float8_training(model, config=config, module_filter_fn=fp8_layer_filter(fp8.skip))

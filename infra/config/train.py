@@ -109,8 +109,8 @@ class TrainConfig(Section):
                 raise ValueError("data_mixture: only pretrain samples packed tokens by source; post-training ignores it")
             check_weights("pretrain.data_mixture", self.data_mixture)
         if self.precision == "fp8" and self.fp8.emulate and self.compile:
-            raise ValueError("fp8.emulate runs eagerly only (torchao's emulated float8 does not compile): "
-                             "set compile=false or fp8.emulate=false")
+            raise ValueError("fp8.emulate runs eagerly only (torchao's emulation is not for torch.compile, as "
+                             "TorchTitan documents): set compile=false or fp8.emulate=false")
         return self
 
 

@@ -33,13 +33,14 @@ __all__ = ["ParallelDims", "build_parallel_dims", "parallelize"]
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig, *,
                 device: torch.device | None = None, seed: int | None = None) -> nn.Module:
-    """Apply, in this order: float8 linear layers (precision fp8), tensor parallel (+ sequence, vocab parallel), activation checkpointing,
-    torch.compile per block, expert parallel, the pipeline cut, context parallel, FSDP2 for ZeRO-2/3
-    and HSDP (in place); then, for a model built on the meta device (trainer.meta_init.build_model), this
-    rank's share is allocated on `device` and initialised from `seed` with the whole model's values
-    (materialize.py); then DDP for zero=0 (it broadcasts real weights). ZeRO-1 is the optimizer
-    (zero1.build_parallel_optimizer). A model already on a device (post-training's loaded base) is
-    parallelised as it is. Returns the module to train (the DDP wrapper, or `model` itself)."""
+    """Apply, in this order: float8 linear layers (precision fp8), tensor parallel (+ sequence, vocab
+    parallel), activation checkpointing, torch.compile per block, expert parallel, the pipeline cut,
+    context parallel, FSDP2 for ZeRO-2/3 and HSDP (in place); then, for a model built on the meta device
+    (trainer.meta_init.build_model), this rank's share is allocated on `device` and initialised from
+    `seed` with the whole model's values (materialize.py); then DDP for zero=0 (it broadcasts real
+    weights). ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). A model already on a device
+    (post-training's loaded base) is parallelised as it is. Returns the module to train (the DDP
+    wrapper, or `model` itself)."""
     check_supported(parallel, getattr(model, "cfg", None))
     meta = on_meta(model)
     if meta and (device is None or seed is None):
