@@ -28,7 +28,7 @@ from .parallel.comm_accounting import StepComm
 from .parallel.ddp import unwrap
 from .parallel.mesh import pick_device
 from .parallel.zero1 import build_parallel_optimizer
-from .precision import check_fp8_device
+from .precision import autocast_for, check_fp8_device
 from .recovery import Recovery
 from .step import train_step
 from .stragglers import Stragglers
@@ -175,7 +175,9 @@ class Trainer:
         if self.dims.world_size == 1:
             ids = self.loader.step_rows(self.loader.next_sample)  # the next step's rows, not consumed
             b = self.train_cfg.micro_batch_size
-            micro = count_model_flops(unwrap(self.model), split_rows(self.loader.shards, ids[:b]))
+            with autocast_for(self.train_cfg.precision, self.device):  # as the step multiplies (a bf16 MoE
+                # combines in fp32 and needs autocast to multiply that back with bf16 weights)
+                micro = count_model_flops(unwrap(self.model), split_rows(self.loader.shards, ids[:b]))
             figures["measured.flops_per_step"] = float(micro * (len(ids) // b))
         return figures
 

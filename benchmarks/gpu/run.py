@@ -78,7 +78,7 @@ def environment(ctx) -> list[dict]:
         props = torch.cuda.get_device_properties(0)
         rec.update(device=name, capability=".".join(map(str, torch.cuda.get_device_capability(0))),
                    memory_gb=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   nccl=".".join(map(str, v)) if isinstance(v := torch.cuda.nccl.version(), tuple) else str(v),
                    datasheet_bf16_flops=datasheet_peak_flops(name), datasheet_fp8_flops=datasheet_peak_flops(name, fp8=True))
     return [rec]
 
@@ -189,8 +189,9 @@ def train_summary(ctx) -> list[dict]:
 
 def trainer_job(ctx) -> list[dict]:
     """The trainer itself (trainer/trainer.py, as `python -m trainer` runs one rank) on byte tokens of the
-    standard library: device pick, datasheet MFU, peak memory, the estimator's figures beside a FLOP
-    count, an async checkpoint mid-run and the final one; in bf16, then in fp8."""
+    standard library, its every other layer a mixture of 4 experts: device pick, datasheet MFU, peak
+    memory, the estimator's figures beside a FLOP count, an async checkpoint mid-run and the final one;
+    in bf16, then in fp8."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures.trainer_data import VOCAB, make_tokens
     from infra.config import LifecycleConfig
@@ -206,7 +207,8 @@ def trainer_job(ctx) -> list[dict]:
     # its trainer path is tests/trainer/test_fp8.py's and the train_fp8 part's)
     for precision in ("bf16",) if ctx.dry else ("bf16", "fp8"):
         cfg = LifecycleConfig.model_validate({
-            "name": "gpu-check", "model": {"vocab_size": VOCAB, "max_seq_len": seq, **shape},
+            "name": "gpu-check", "model": {"vocab_size": VOCAB, "max_seq_len": seq, **shape,
+                                           "moe": {"num_experts": 4, "top_k": 2, "every": 2}},
             "tokenizer": {"vocab_size": VOCAB}, "infra": {"device": ctx.device},
             "pretrain": {"steps": 2 if ctx.dry else 8, "seq_len": seq, "micro_batch_size": 4, "global_batch_size": 8,
                          "lr": 1e-3, "warmup_steps": 0, "precision": precision, "eval_batches": 1,

@@ -341,7 +341,7 @@ def hf_model(model_dir: str, device: str = "cpu", dtype: str = "float32"):
 
     from .engine import DTYPES
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: every request runs to its length
     return model
 

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from fixtures.trainer_data import tiny_config
 from infra.launch.job import JobSpec
 from trainer.data import MicroBatch
+from trainer.estimate import count_model_flops
 from trainer.meta_init import build_model
 from trainer.objectives import LanguageModelling
 from trainer.optim import build_optimizer
@@ -79,6 +80,12 @@ def test_swap_hits_the_intended_layers_and_the_step_stays_close_to_bf16():
     assert isinstance(fp8.layers["0"].mlp.experts[0].up_proj, torch.nn.Linear)
     for (name, a), (_, b) in zip(models["bf16"].named_parameters(), fp8.named_parameters()):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name  # same names, weights, dtype
+
+    # the FLOPs torch counts (the trainer's measured.flops_per_step beside the estimate) are bf16's
+    rows = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        counted = {p: count_model_flops(m, (rows[:, :-1], rows[:, 1:])) for p, m in models.items()}
+    assert counted["fp8"] == counted["bf16"] > 0
 
     cfg = _moe_config("bf16")
     rows = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
