@@ -6,7 +6,8 @@ the fresh server, a concurrency sweep (1, 8, 32, 64, 128): each size's tokens/s 
 than the one before it. One JSON line per figure.
 
     python -m benchmarks.serve_throughput [MODEL_DIR] [--stream-interval N] [--serve-speculative ngram]
-        [--enforce-eager] [--only-json-schema]
+        [--enforce-eager] [--only-json-schema] [--device cuda --dtype bfloat16 --kv-cache-memory-gb 16]
+        [--concurrency-sweep 1 32 128] [--baseline hf] [--no-speculative] [--no-json-schema] ...
         (default: a tiny checkpoint trained briefly on code; the engine hands tokens out 4 at a time,
         its default, its decode step is compiled at start-up, and the served load does not speculate)
 
@@ -33,10 +34,32 @@ def main(argv: list[str]) -> int:
                    help="the served load speculates too (greedy output unchanged; HF's baseline does not)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the engines eagerly (default: the decode step compiled, as `eightfold serve` runs it)")
+    p.add_argument("--no-json-schema", action="store_true", help="skip the json_schema load")
     p.add_argument("--only-json-schema", action="store_true",
                    help="only the served load and its json_schema twin (no HF baselines, in-process engine or speculation)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="the engines and Hugging Face's model on this device (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="their compute dtype (default float32; bfloat16 on a GPU)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="engine option: the KV cache's budget")
+    p.add_argument("--num-prompts", type=int, default=192, help="requests per round")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency-sweep", type=int, nargs="+", default=[1, 8, 32, 64, 128], metavar="C")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
+    p.add_argument("--baseline", nargs="*", choices=["hf", "llama.cpp"], default=["hf", "llama.cpp"],
+                   help="baselines to run (none: --baseline with no value)")
+    p.add_argument("--no-speculative", action="store_true", help="skip the speculative decoding figures")
+    p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine's figure")
+    p.add_argument("--server", choices=["process", "thread"], default="process")
+    p.add_argument("--out", default=None, help="also write the JSON lines to this file")
     ns = p.parse_args(argv)
+    if ns.dtype is None and ns.device == "cuda":
+        ns.dtype = "bfloat16"
     opts = {"stream_interval": ns.stream_interval} if ns.stream_interval else {}
+    opts.update({k: v for k, v in (("device", ns.device), ("dtype", ns.dtype),
+                                   ("kv_cache_memory_gb", ns.kv_cache_memory_gb)) if v is not None})
     if ns.enforce_eager:
         opts["enforce_eager"] = True
     if ns.serve_speculative:
@@ -44,9 +67,11 @@ def main(argv: list[str]) -> int:
     if ns.only_json_schema:
         opts.update(baseline=None, speculative=False, in_process=False)
     else:
-        opts.update(baseline=["hf", "llama.cpp"], speculative=True, concurrency_sweep=[1, 8, 32, 64, 128])
-    return bench_serve_command(ns.model_dir, num_prompts=192, concurrency=32, input_len=64, output_len=128,
-                               range_ratio=0.75, json_schema=True, **opts)
+        opts.update(baseline=ns.baseline or None, speculative=not ns.no_speculative,
+                    concurrency_sweep=ns.concurrency_sweep, in_process=not ns.no_in_process)
+    return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=32, input_len=ns.input_len,
+                               output_len=ns.output_len, range_ratio=0.75, json_schema=not ns.no_json_schema,
+                               rounds=ns.rounds, threads=ns.threads, server=ns.server, out=ns.out, **opts)
 
 
 if __name__ == "__main__":

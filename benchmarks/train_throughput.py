@@ -24,6 +24,14 @@ On a GPU or a CPU with bf16 units every implementation takes torch's path, and t
 of the step. The MFU probe times the bf16 GEMM the trainer runs (trainer.metrics.measure_peak_flops).
 
     python -m benchmarks.train_throughput [--dim 512 --layers 4 --seq 256 --batch 8 --rounds 6]
+        [--device cuda] [--precision bf16|fp32|fp8] [--activation-checkpointing full] [--compile] [--no-baselines]
+
+On a GPU (`--device cuda`, benchmarks/gpu/run.sh) every step is timed between torch.cuda.synchronize
+calls, MFU divides by the GPU's datasheet peak (trainer.metrics.peak_flops: dense bf16, also under fp8,
+as TorchTitan quotes it), peak memory is torch's max allocated, set beside `eightfold estimate`'s figure
+for the same shape on one device (`estimate_memory_gb`; compare with --no-baselines and without
+--compile, when our model is the only one in memory), and `losses` is our step's loss at every step, so
+runs of the same shape in bf16 and fp8 (same initial weights, same batch) give comparable curves.
 """
 
 from __future__ import annotations
@@ -41,14 +49,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra.config.model import ModelConfig
+from infra.config.parallel import ParallelConfig
 from infra.config.train import TrainConfig
 from trainer.data import MicroBatch
 from trainer.objectives import LanguageModelling
 from trainer.step import train_step
-from trainer.metrics import flops_per_token, measure_peak_flops
+from trainer.metrics import datasheet_peak_flops, flops_per_token, measure_peak_flops, peak_flops, peak_memory_gb
 from trainer.model import Transformer
 from trainer.optim import build_optimizer
-from trainer.precision import cast_parameters
+from trainer.parallel import build_parallel_dims, parallelize
+from trainer.parallel.compile import apply_compile
 
 
 # --- the plain step: the shortest correct Llama training step one would write by hand ----------------
@@ -95,9 +105,9 @@ class PlainLlama(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens):
-        S, hd = tokens.shape[1], self.cfg.head_size
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        ang = torch.outer(torch.arange(S, dtype=torch.float32), inv)
+        S, hd, dev = tokens.shape[1], self.cfg.head_size, tokens.device
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=dev) / hd))
+        ang = torch.outer(torch.arange(S, dtype=torch.float32, device=dev), inv)
         emb = torch.cat((ang, ang), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         x = self.emb(tokens)
@@ -141,6 +151,25 @@ def hf_step(model, opt, inputs, targets, autocast):
     return loss.detach().item()
 
 
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def estimate_for(cfg: ModelConfig, train: TrainConfig) -> dict:
+    """What `eightfold estimate` predicts for this shape on one device: memory of the busiest rank, step time."""
+    from infra.config.schema import LifecycleConfig
+    from trainer.estimate.run import estimate_run
+
+    life = LifecycleConfig.model_validate({"model": cfg.model_dump(), "tokenizer": {"vocab_size": cfg.vocab_size},
+                                           "pretrain": train.model_dump()})
+    e = estimate_run(life)
+    return {"estimate_memory_gb": round(e["busiest_rank_bytes"] / 2**30, 3),
+            "estimate_breakdown_gb": {k: round(v / 2**30, 3) for k, v in e["busiest_rank_breakdown"].items()},
+            "estimate_flops_per_step": e["flops_per_step"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=256)
@@ -151,10 +180,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--precision", choices=["bf16", "fp32", "fp8"], default="bf16",
+                    help="fp8: our step with torchao float8 linear layers (needs FP8 tensor cores, or --fp8-emulate); "
+                         "the baselines stay bf16")
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    ap.add_argument("--fp8-emulate", action="store_true", help="torchao's emulated float8 (any device; a dry run)")
+    ap.add_argument("--activation-checkpointing", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="only our step (no plain or Hugging Face step): one model in memory, so peak memory is its own")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also time our step with torch.compile per block")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (aot_eager: graph capture only, a dry run's check)")
+    ap.add_argument("--probe-seconds", type=float, default=1.0, help="CPU: how long the matmul peak probe runs")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (use with --threads 1 on a shared, busy machine: time "
@@ -163,86 +203,123 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    if args.clock == "cpu" and device.type == "cuda":
+        raise SystemExit("--clock cpu times host work only; on CUDA use --clock wall")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=args.seq)
     train = TrainConfig(steps=1000, seq_len=args.seq, micro_batch_size=args.batch, global_batch_size=args.batch,
-                        lr=3e-4, warmup_steps=0, precision=args.precision, grad_clip=1.0)
-    device = torch.device("cpu")
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+                        lr=3e-4, warmup_steps=0, precision=args.precision, grad_clip=1.0,
+                        activation_checkpointing=args.activation_checkpointing,
+                        fp8={"recipe": args.fp8_recipe, "emulate": args.fp8_emulate})
+    dims = build_parallel_dims(ParallelConfig(), device.type)
+    low = args.precision != "fp32"
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16" else contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16) if low else contextlib.nullcontext()
 
     rows = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
-    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    inputs, targets = rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
     batch = [MicroBatch(inputs, targets, np.arange(args.batch))]
 
-    ours = Transformer(cfg)
-    if args.precision == "bf16":  # as the trainer holds it: bf16 weights, fp32 masters in the optimizer
-        cast_parameters(ours, torch.bfloat16)
+    def ours_model(compile_: bool) -> nn.Module:
+        """As the trainer builds it: on the meta device, then trainer.parallel.parallelize on one device
+        (bf16 weights with fp32 masters in the optimizer, float8 linear layers under fp8, checkpointing)
+        allocates it there and fills it from seed 0, so every run starts from the same weights."""
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model = parallelize(model, dims, ParallelConfig(), train, device=device, seed=0)
+        if compile_:  # where parallelize would (train.compile), last on one device, with the backend asked
+            apply_compile(model, args.compile_backend)
+        return model
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ours = ours_model(False)
     ours_opt = build_optimizer(ours, train)
-    plain = PlainLlama(cfg)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    hf = hf_model(cfg)
-    hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v.float() for k, v in ours.state_dict().items()})
-    # As Hugging Face's Trainer builds it: its default `optim` is "adamw_torch_fused" on torch >= 2.8
-    # (transformers TrainingArguments), i.e. torch's fused AdamW, the kernel our optimizer uses too.
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     objective = LanguageModelling()
-    step_counter = {"ours": 0}
+    losses: dict[str, list[float]] = {"ours": []}
 
     def run_ours():
-        train_step(ours, ours_opt, batch, objective, train, step_counter["ours"], device)
-        step_counter["ours"] += 1
+        losses["ours"].append(train_step(ours, ours_opt, batch, objective, train, len(losses["ours"]), device).loss)
 
-    runners = {
-        "ours": run_ours,
-        "plain": lambda: plain_step(plain, plain_opt, inputs, targets, autocast),
-        "hf": lambda: hf_step(hf, hf_opt, inputs, targets, autocast),
-    }
+    runners = {"ours": run_ours}
+    if not args.no_baselines:
+        plain = PlainLlama(cfg).to(device)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        hf = hf_model(cfg)
+        hf.load_state_dict({k if k.startswith("lm_head") else f"model.{k}": v.float()
+                            for k, v in ours.state_dict().items()})
+        hf = hf.to(device)
+        # As Hugging Face's Trainer builds it: its default `optim` is "adamw_torch_fused" on torch >= 2.8
+        # (transformers TrainingArguments), i.e. torch's fused AdamW, the kernel our optimizer uses too.
+        hf_opt = torch.optim.AdamW(hf.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        runners["plain"] = lambda: plain_step(plain, plain_opt, inputs, targets, autocast)
+        runners["hf"] = lambda: hf_step(hf, hf_opt, inputs, targets, autocast)
     if args.compile:
-        from trainer.parallel.compile import apply_compile
-
-        compiled = cast_parameters(Transformer(cfg), dtype)
-        compiled.load_state_dict(ours.state_dict())
-        apply_compile(compiled)
+        compiled = ours_model(True)
         compiled_opt = build_optimizer(compiled, train)
-        runners["ours_compiled"] = lambda: train_step(compiled, compiled_opt, batch, objective, train, 0, device)
+        losses["ours_compiled"] = []
+        runners["ours_compiled"] = lambda: losses["ours_compiled"].append(
+            train_step(compiled, compiled_opt, batch, objective, train, len(losses["ours_compiled"]), device).loss)
     for _ in range(args.warmup):
         for fn in runners.values():
             fn()
+    sync()
     times: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(args.rounds):
         for name, fn in runners.items():
+            sync()
             t0 = clock()
             fn()
+            sync()
             times[name].append(clock() - t0)
 
     tokens = args.batch * args.seq
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    peak = measure_peak_flops(device, dtype, size=1024, seconds=1.0, clock=clock)
+    if device.type == "cuda":
+        peak = peak_flops(device, args.precision)
+    else:
+        peak = measure_peak_flops(device, torch.bfloat16 if low else torch.float32, size=1024, seconds=args.probe_seconds,
+                                  clock=clock)
     fpt = flops_per_token(cfg, args.seq)
     result = {
         "benchmark": "train_throughput",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": args.precision,
+        **({"fp8_recipe": args.fp8_recipe, "fp8_emulate": args.fp8_emulate} if args.precision == "fp8" else {}),
+        "activation_checkpointing": args.activation_checkpointing,
         "shape": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                   "ffn": args.ffn, "vocab": args.vocab, "seq": args.seq, "batch": args.batch},
+        "params": sum(p.numel() for p in ours.parameters()),
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "tokens_per_s": round(tps["ours"], 1),
-        "plain_tokens_per_s": round(tps["plain"], 1),
-        "hf_tokens_per_s": round(tps["hf"], 1),
-        "ratio_vs_plain": round(tps["ours"] / tps["plain"], 3),
-        "ratio_vs_hf": round(tps["ours"] / tps["hf"], 3),
         "mfu": round(fpt * tps["ours"] / peak, 4),
-        "plain_mfu": round(fpt * tps["plain"] / peak, 4),
-        "hf_mfu": round(fpt * tps["hf"] / peak, 4),
-        "peak_matmul_flops": round(peak),
+        "peak_flops": round(peak),
+        "peak_flops_source": "datasheet" if device.type == "cuda" and args.precision != "fp32"
+                             and datasheet_peak_flops(torch.cuda.get_device_name(device)) else "measured",
         "flops_per_token": fpt,
-        **({"compiled_tokens_per_s": round(tps["ours_compiled"], 1),
-            "compiled_ratio_vs_hf": round(tps["ours_compiled"] / tps["hf"], 3)} if args.compile else {}),
+        "losses": [round(x, 5) for x in losses["ours"]],
+        **({"plain_tokens_per_s": round(tps["plain"], 1), "hf_tokens_per_s": round(tps["hf"], 1),
+            "ratio_vs_plain": round(tps["ours"] / tps["plain"], 3), "ratio_vs_hf": round(tps["ours"] / tps["hf"], 3),
+            "plain_mfu": round(fpt * tps["plain"] / peak, 4), "hf_mfu": round(fpt * tps["hf"] / peak, 4)}
+           if not args.no_baselines else {}),
+        **({"compile_backend": args.compile_backend, "compiled_tokens_per_s": round(tps["ours_compiled"], 1),
+            "compiled_mfu": round(fpt * tps["ours_compiled"] / peak, 4),
+            "compiled_speedup": round(tps["ours_compiled"] / tps["ours"], 3),
+            "compiled_losses": [round(x, 5) for x in losses["ours_compiled"]],
+            **({"compiled_ratio_vs_hf": round(tps["ours_compiled"] / tps["hf"], 3)} if not args.no_baselines else {})}
+           if args.compile else {}),
+        "models_in_memory": len(runners),
+        "peak_memory_gb": round(peak_memory_gb(device), 3),
+        **estimate_for(cfg, train),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "step_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
     }

@@ -53,6 +53,42 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
     return best
 
 
+# Dense (no sparsity) peak tensor FLOP/s per GPU from NVIDIA's datasheets, (bf16, fp8), matched on
+# torch.cuda.get_device_name, most specific first: what MFU is quoted against (Megatron's 41-47% on H100,
+# TorchTitan's 33-39% on Llama 3 8B). H200 has H100 SXM's compute (989 / 1979 TFLOP/s), more memory.
+DATASHEET_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12, 1513e12),
+    ("H100 NVL", 835e12, 1671e12),
+    ("H100", 989e12, 1979e12),
+    ("H200", 989e12, 1979e12),
+    ("GH200", 989e12, 1979e12),
+    ("B200", 2250e12, 4500e12),
+    ("L40S", 362e12, 733e12),
+    ("A100", 312e12, None),
+)
+
+
+def datasheet_peak_flops(device_name: str, fp8: bool = False) -> float | None:
+    """The datasheet's dense bf16 (or fp8) peak for `device_name`; None when the device is not listed,
+    or has no FP8 tensor cores. MFU under precision fp8 is quoted against the bf16 peak, as TorchTitan
+    quotes it: the model's FLOPs are the same, and a faster step shows as a higher MFU."""
+    for key, bf16, fp8_peak in DATASHEET_PEAK_FLOPS:
+        if key in device_name:
+            return fp8_peak if fp8 else bf16
+    return None
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    """The peak MFU divides by: the datasheet's bf16 figure on a listed GPU, else a matmul probe (a CPU:
+    the best it measures; 8192-square on an unlisted GPU, where 1024 would not fill it)."""
+    if device.type == "cuda" and precision != "fp32":
+        known = datasheet_peak_flops(torch.cuda.get_device_name(device))
+        if known:
+            return known
+    dtype = torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+    return measure_peak_flops(device, dtype, size=8192 if device.type == "cuda" else 1024)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

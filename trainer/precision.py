@@ -11,26 +11,87 @@ steps on the masters and copies them back, rounded, into the model. Where those 
   there the model's parameters stay fp32 and only compute is bf16.
 Buffers (RoPE frequencies, MoE routing biases) stay fp32: they are not trained by gradients and lose
 what bf16 would round away. `precision: fp32` is the reference: fp32 parameters, the plain optimizer.
+
+`precision: fp8` is bf16 in every respect above, and in addition the linear layers' matmuls run in
+float8 e4m3 through torchao's float8 training (`convert_to_fp8`: each nn.Linear becomes a Float8Linear
+that casts its input, weight and output gradient to float8 with dynamic scales, tensorwise or rowwise,
+as TorchTitan's float8 converter does). Its weights are the same bf16 parameters under the same names,
+and torchao keeps the bf16 input and weight for the backward, so state, activations, checkpoints and
+the estimator's bytes are those of bf16. Only devices with FP8 tensor cores (CUDA capability >= 8.9)
+run it: anywhere else it is refused before training starts (`check_fp8_device`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+LOW_PRECISION = ("bf16", "fp8")  # bf16 parameters, fp32 masters, bf16 autocast
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper onwards have FP8 tensor cores (torch._scaled_mm's requirement)
+
+
+def fp8_device_problem(device: torch.device) -> str | None:
+    """Why `device` cannot train in float8 (None when it can)."""
+    if device.type != "cuda":
+        return f"{device.type} has no FP8 tensor cores (needs CUDA compute capability >= 8.9)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_CAPABILITY:
+        return (f"{device} ({torch.cuda.get_device_name(device)}) has compute capability {cap[0]}.{cap[1]}; "
+                "FP8 tensor cores need >= 8.9 (Ada, Hopper or later)")
+    return None
+
+
+def check_fp8_device(device: torch.device, emulate: bool = False) -> None:
+    """Refuse `precision: fp8` on a device without FP8 tensor cores, in one line (fp8.emulate: allowed
+    anywhere, for tests: torchao emulates the float8 matmuls, slowly)."""
+    problem = None if emulate else fp8_device_problem(device)
+    if problem:
+        raise RuntimeError(f"pretrain.precision=fp8 refused: {problem}; use precision=bf16 on this device")
+
+
+def fp8_layer_filter(skip: list[str]):
+    """torchao's module_filter_fn: convert a linear layer unless its name is (or ends with) one of `skip`
+    or a dimension is not a multiple of 16 (torch._scaled_mm's requirement, which TorchTitan also applies)."""
+
+    def keep_fp8(module: nn.Module, fqn: str) -> bool:
+        if any(fqn == name or fqn.endswith("." + name) for name in skip):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return keep_fp8
+
+
+def convert_to_fp8(model: nn.Module, fp8, device: torch.device) -> list[str]:
+    """Swap the model's linear layers for torchao's Float8Linear in place (`fp8`: TrainConfig.fp8), after
+    checking the device; returns the names of the converted layers. The weights stay the same Parameter
+    objects, so this may run on a model still on the meta device, before it is materialised."""
+    check_fp8_device(device, fp8.emulate)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name(fp8.recipe)
+    if fp8.recipe == "rowwise":  # as TorchTitan sets it: inductor otherwise fuses rowwise casts inexactly (pytorch#150859)
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+    if fp8.emulate:
+        config = dataclasses.replace(config, emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=fp8_layer_filter(fp8.skip))
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
 def autocast_for(precision: str, device: torch.device):
     """bf16: matmul inputs in bf16 and the ops autocast keeps in fp32 (softmax, losses) in fp32, whether
     the parameters are bf16 (the model's own) or fp32 (FSDP's masters, a post-training job's)."""
-    if precision == "bf16":
+    if precision in LOW_PRECISION:  # fp8: Float8Linear takes its bf16 input from autocast
         return torch.autocast(device.type, dtype=torch.bfloat16)
     if precision == "fp32":
         return contextlib.nullcontext()
-    raise ValueError(f"precision={precision!r}; expected fp32 or bf16")
+    raise ValueError(f"precision={precision!r}; expected fp32, bf16 or fp8")
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -21,13 +21,14 @@ from .data import PackedLoader, split_rows, validation_batches
 from .evaluation import evaluate
 from .job_io import OutputFolder, fetch_input
 from .meta_init import build_model
-from .metrics import MetricsSink, flops_per_token, measure_peak_flops, peak_memory_gb
+from .metrics import MetricsSink, flops_per_token, peak_flops, peak_memory_gb
 from .objectives import LanguageModelling
 from .parallel import ParallelDims, build_parallel_dims, parallelize
 from .parallel.comm_accounting import StepComm
 from .parallel.ddp import unwrap
 from .parallel.mesh import pick_device
 from .parallel.zero1 import build_parallel_optimizer
+from .precision import autocast_for, check_fp8_device
 from .recovery import Recovery
 from .step import train_step
 from .stragglers import Stragglers
@@ -43,6 +44,8 @@ class Trainer:
         self.train_cfg: TrainConfig = getattr(self.cfg, spec.section)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.device, _ = pick_device(self.cfg.parallel.backend, self.cfg.infra.device)
+        if self.train_cfg.precision == "fp8":  # refused here, in one line, before data or model are touched
+            check_fp8_device(self.device, self.train_cfg.fp8.emulate)
         self.dims: ParallelDims = build_parallel_dims(self.cfg.parallel, self.device.type)
         self.dp_group = self.dims.group("dp")
         if self.rank == 0:
@@ -79,8 +82,7 @@ class Trainer:
         self.output = OutputFolder(spec.output, spec.workdir, endpoint_for(spec), writer=self.rank == 0)
         self.step = 0
         self.flops_per_token = flops_per_token(self.cfg.model, t.seq_len)
-        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-        self.peak_flops = t.peak_flops or measure_peak_flops(self.device, dtype)
+        self.peak_flops = t.peak_flops or peak_flops(self.device, t.precision)
         # Pre-flight, checkpoints (resume: latest), spike guard, faults: trainer/recovery.py
         self.recovery = Recovery(self)
         self.recovery.faults.slow_down(unwrap(self.model))  # a straggler drill (trainer/faults.py), when asked
@@ -173,7 +175,9 @@ class Trainer:
         if self.dims.world_size == 1:
             ids = self.loader.step_rows(self.loader.next_sample)  # the next step's rows, not consumed
             b = self.train_cfg.micro_batch_size
-            micro = count_model_flops(unwrap(self.model), split_rows(self.loader.shards, ids[:b]))
+            with autocast_for(self.train_cfg.precision, self.device):  # as the step multiplies (a bf16 MoE
+                # combines in fp32 and needs autocast to multiply that back with bf16 weights)
+                micro = count_model_flops(unwrap(self.model), split_rows(self.loader.shards, ids[:b]))
             figures["measured.flops_per_step"] = float(micro * (len(ids) // b))
         return figures
 

@@ -74,11 +74,14 @@ class LifecycleConfig(Section):
             raise ValueError(f"parallel.pp_split={p.pp_split} sums to {sum(p.pp_split)}, model.n_layers={m.n_layers}")
         if p.cp > 1 and t.seq_len % (2 * p.cp):
             raise ValueError(f"pretrain.seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (zigzag split)")
-        if t.precision == "bf16" and t.fp32_grad_accum and not (
+        if t.precision == "fp8" and p.tp > 1:  # Float8Linear needs torchao's float8 TP plans, which we do not apply
+            raise ValueError(f"pretrain.precision=fp8 with parallel.tp={p.tp}: float8 training runs with dp, zero, "
+                             "fsdp, pp, cp and ep, not tensor parallel; set tp=1 or precision=bf16")
+        if t.precision in ("bf16", "fp8") and t.fp32_grad_accum and not (
                 (p.zero == 1 and p.dp * p.cp > 1) or (p.zero >= 2 and p.dp_shard > 1)):
             # Megatron's fp32 gradient buffer lives in its distributed optimizer; ours in ZeRO-1's and FSDP's.
             raise ValueError(
-                f"pretrain.fp32_grad_accum with precision bf16 and parallel.zero={p.zero} dp={p.dp} cp={p.cp}: the "
+                f"pretrain.fp32_grad_accum with precision {t.precision} and parallel.zero={p.zero} dp={p.dp} cp={p.cp}: the "
                 "fp32 gradient buffer is kept by the distributed optimizer (zero=1 over dp x cp > 1) or FSDP (zero "
                 "2/3, which then reduces in fp32); set one, or fp32_grad_accum=false (bf16 gradients, fp32 masters)")
         unsupported = unsupported_layout(p, m)  # the rules that need the model too (the rest: ParallelConfig)

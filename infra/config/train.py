@@ -33,6 +33,29 @@ class SpikeConfig(Section):
     task_lr_factor: float = Field(0.5, gt=0, le=1, description="LR scale applied at each task-level rollback")
 
 
+class Fp8Config(Section):
+    """`precision: fp8`: the model's linear layers multiply in float8 e4m3 through torchao's float8
+    training (trainer/precision.py: convert_to_fp8), as TorchTitan's float8 converter applies it; weights,
+    masters and everything else stay as under bf16."""
+
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="torchao's scaling: one scale per tensor (fastest) or per row (more precise)")
+    skip: list[str] = Field(
+        default_factory=lambda: ["lm_head", "mlp.gate"],
+        description="linear layers kept in bf16, by name or name suffix (a layer whose dimensions are not "
+                    "multiples of 16 is always kept): the LM head (its fused loss multiplies the weight itself) "
+                    "and the MoE router, as TorchTitan leaves out its output layer and router")
+    emulate: bool = Field(False, description="tests only: emulated float8 matmuls on any device (no speed-up); "
+                          "not with compile")
+
+    @model_validator(mode="after")
+    def _names(self) -> "Fp8Config":
+        bad = [n for n in self.skip if not isinstance(n, str) or not n.strip() or n != n.strip(".")]
+        if bad:
+            raise ValueError(f"fp8.skip: {bad} are not layer names (e.g. lm_head, mlp.gate)")
+        return self
+
+
 class TrainConfig(Section):
     steps: int = Field(1000, ge=1, description="optimizer steps")
     seq_len: int = Field(2048, ge=1, description="tokens per row; rows hold seq_len + 1 tokens")
@@ -49,7 +72,9 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0, description="global-norm clip; 0 disables")
-    precision: Literal["fp32", "bf16"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp8"] = Field(
+        "bf16", description="fp8: bf16 with the linear layers' matmuls in float8 (pretrain.fp8; needs CUDA >= 8.9)")
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
     fp32_grad_accum: bool = Field(False, description="bf16: accumulate and reduce gradients in an fp32 buffer (Megatron's "
                                   "grad_reduce_in_fp32: 18 bytes/param); false: bf16 gradients on the wire (16)")
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
@@ -83,6 +108,9 @@ class TrainConfig(Section):
             if type(self) is not TrainConfig:
                 raise ValueError("data_mixture: only pretrain samples packed tokens by source; post-training ignores it")
             check_weights("pretrain.data_mixture", self.data_mixture)
+        if self.precision == "fp8" and self.fp8.emulate and self.compile:
+            raise ValueError("fp8.emulate runs eagerly only (torchao's emulation is not for torch.compile, as "
+                             "TorchTitan documents): set compile=false or fp8.emulate=false")
         return self
 
 

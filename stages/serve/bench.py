@@ -14,6 +14,9 @@ meeting each objective.
 `--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
 a time and in static batches of `concurrency` (padded, each batch running until its longest
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
+With `--concurrency-sweep`, `--baseline hf` also runs static batches of each sweep size on that size's
+requests (`ratio_vs_hf_static` in each serve_concurrency line). `--device cuda --dtype bfloat16` puts the
+engines and Hugging Face's model on the same GPU in the same dtype.
 `--baseline llama.cpp` runs llama.cpp's `llama-server` on the model's f16 GGUF (built once into a
 cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with one slot per request
 in flight and the same threads, loads it with the same client and requests in each round, and
@@ -331,38 +334,70 @@ def summarize(timings: list[RequestTiming], duration: float,
     }
 
 
-def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequential_requests: int,
-                 pad_token_id: int) -> dict[str, float]:
-    """Hugging Face `generate`, greedy, generating exactly each request's output length."""
-    import torch
+def hf_model(model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    """Hugging Face's model for `generate`, on the engine's device and in its dtype (the same GPU, the same
+    checkpoint), greedy to exactly each request's output length."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    from .engine import DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: every request runs to its length
-    model.generation_config.pad_token_id = pad_token_id
+    return model
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_static_batches(model, reqs: list[BenchRequest], batch_size: int, pad_token_id: int) -> float:
+    """Output tokens/s of `generate` in static batches of `batch_size` (left-padded; a batch runs until
+    its longest request is done, and only the tokens each request asked for count)."""
+    import torch
+
+    device = model.device
+    _sync(device)
+    t0 = time.perf_counter()
+    useful = 0
+    for b in range(0, len(reqs), batch_size):
+        batch = reqs[b:b + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(r.output_len for r in batch),
+                       do_sample=False, pad_token_id=pad_token_id)
+        useful += sum(r.output_len for r in batch)
+    _sync(device)
+    return useful / (time.perf_counter() - t0)
+
+
+def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequential_requests: int,
+                 pad_token_id: int, device: str = "cpu", dtype: str = "float32", model=None) -> dict[str, float]:
+    """Hugging Face `generate`, greedy, generating exactly each request's output length: one request at a
+    time, and in static batches of `batch_size`."""
+    import torch
+
+    model = model if model is not None else hf_model(model_dir, device, dtype)
+    device = model.device
     with torch.no_grad():
-        model.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=4, do_sample=False)  # warm-up
+        model.generate(torch.tensor([reqs[0].prompt_ids], device=device), max_new_tokens=4, do_sample=False,
+                       pad_token_id=pad_token_id)  # warm-up
+        _sync(device)
         t0 = time.perf_counter()
         n_seq = 0
         for r in reqs[:sequential_requests]:
-            out = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.output_len, do_sample=False)
+            out = model.generate(torch.tensor([r.prompt_ids], device=device), max_new_tokens=r.output_len,
+                                 do_sample=False, pad_token_id=pad_token_id)
             n_seq += out.shape[1] - len(r.prompt_ids)
+        _sync(device)
         seq_tps = n_seq / (time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        useful = 0
-        for b in range(0, len(reqs), batch_size):
-            batch = reqs[b:b + batch_size]
-            width = max(len(r.prompt_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, r in enumerate(batch):  # left padding
-                ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-                mask[i, width - len(r.prompt_ids):] = 1
-            # a static batch runs until its longest request is done; only requested tokens count
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.output_len for r in batch), do_sample=False)
-            useful += sum(r.output_len for r in batch)
-        static_tps = useful / (time.perf_counter() - t0)
+        static_tps = hf_static_batches(model, reqs, batch_size, pad_token_id)
     return {"sequential": seq_tps, "static": static_tps, "sequential_requests": sequential_requests}
 
 
@@ -595,9 +630,18 @@ def bench_serve_command(
                                                                    seed + 999), 2, float("inf"), seed,
                                                     keep_alive=False))  # warm-up
         sweep: list[dict[str, Any]] = []
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        hf = None
+        if "hf" in baselines:  # on the engine's device and dtype, loaded once for the sweep and the rounds
+            hf = hf_model(model_dir, engine_options.get("device") or "cpu", engine_options.get("dtype") or "float32")
         for i, c in enumerate(concurrency_sweep or []):  # first, on the fresh server: no warm-up of any size
             sreqs = make_requests(tokenizer, max(2 * c, 16), input_len, output_len, range_ratio, seed + 500 + i)
             sweep.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"), seed)))})
+            if hf is not None:  # Hugging Face generate in static batches of the same size, on the same requests
+                import torch
+
+                with torch.no_grad():
+                    sweep[-1]["hf_static_output_tokens_per_s"] = hf_static_batches(hf, sreqs, c, pad)
             print(f"concurrency {c}: served {sweep[-1]['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
         for rnd in range(rounds):
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
@@ -616,10 +660,9 @@ def bench_serve_command(
             if peer is not None:  # llama.cpp's server on the same requests, by the same client
                 r["llama_cpp"] = summarize(*asyncio.run(run_load(peer[1], model, reqs, concurrency, request_rate, seed,
                                                                  keep_alive=False)), slos)
-            if "hf" in baselines:
-                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            if hf is not None:
                 r["hf"] = hf_baselines(model_dir, reqs, concurrency or 32,
-                                       min(baseline_sequential_requests, len(reqs)), pad)
+                                       min(baseline_sequential_requests, len(reqs)), pad, model=hf)
             rounds_out.append(r)
             print(f"round {rnd + 1}/{rounds}: served {r['serve']['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
     finally:
@@ -689,6 +732,9 @@ def bench_serve_command(
               "2 x concurrency requests (at least 16), no warm-up", "input_len": input_len, "output_len": output_len,
               **{k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
                                      "output_tokens_per_s", "ttft_ms", "tpot_ms")},
+              **({"hf_static_output_tokens_per_s": row["hf_static_output_tokens_per_s"],
+                  "ratio_vs_hf_static": row["output_tokens_per_s"] / row["hf_static_output_tokens_per_s"]}
+                 if "hf_static_output_tokens_per_s" in row else {}),
               "over_previous": None if prev is None else row["output_tokens_per_s"] / prev["output_tokens_per_s"]})
         failed += row["failed"]
     if peer is not None:

@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     b.add_argument("--max-num-seqs", type=int, default=None, help="engine option (default: max(concurrency, 64))")
     b.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine option: tokens per step at most")
     b.add_argument("--stream-interval", type=int, default=None, help="engine option: hand tokens out N at a time")
+    b.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="engine option: where the engines and the Hugging Face baseline run (default cpu)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="engine option: compute dtype of the engines and the Hugging Face baseline (default float32)")
+    b.add_argument("--kv-cache-memory-gb", type=float, default=None, help="engine option: the KV cache's budget")
     b.add_argument("--serve-speculative", choices=["ngram"], default=None,
                    help="the served load speculates too (greedy output unchanged)")
     b.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens proposed per step")
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     except ValueError as e:
         b.error(str(e))  # usage and the message on stderr, exit code 2
     opts = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs), ("max_num_batched_tokens", ns.max_num_batched_tokens),
-                              ("stream_interval", ns.stream_interval), ("enforce_eager", ns.enforce_eager))
+                              ("stream_interval", ns.stream_interval), ("enforce_eager", ns.enforce_eager),
+                              ("device", ns.device), ("dtype", ns.dtype), ("kv_cache_memory_gb", ns.kv_cache_memory_gb))
             if v is not None}
     try:
         return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,

@@ -464,3 +464,18 @@ def test_bad_input_is_named(capsys):
     assert estimate_command(None, "no-such-preset", [], False, None) == 2
     assert "known: " in capsys.readouterr().err
     assert estimate_command(None, "seed-1b", ["estimate.mfu=2"], False, None) == 2
+
+
+def test_fp8_estimate_holds_what_the_trainer_holds_under_bf16():
+    """precision fp8 keeps bf16 weights, fp32 masters and bf16 activations (torchao's Float8Linear casts per
+    matmul and saves its bf16 inputs: trainer/precision.py), so its memory, bytes on the wire and model
+    FLOPs are bf16's, not fp32's."""
+    layout = ["parallel.tp=1", "parallel.dp=4", "parallel.sequence_parallel=false"]
+    fp8, bf16, fp32 = (estimate_run(load_preset("seed-1b", [*layout, f"pretrain.precision={p}"]))
+                       for p in ("fp8", "bf16", "fp32"))
+    for key in ("busiest_rank_bytes", "state_bytes_per_rank", "flops_per_step", "comm_bytes_per_step",
+                "activation_bytes_per_layer"):
+        assert fp8[key] == bf16[key], key
+    assert fp8["activation_bytes_per_layer"] < fp32["activation_bytes_per_layer"]
+    assert f.state_bytes_per_param("fp8") == f.state_bytes_per_param("bf16") == {"weights": 2, "grads": 2,
+                                                                                  "optimizer": 12}

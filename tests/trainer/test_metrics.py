@@ -7,7 +7,7 @@ import torch
 
 from infra.config import load_config
 from infra.config.parallel import ParallelConfig
-from trainer.metrics import MetricsSink, flops_per_token, measure_peak_flops
+from trainer.metrics import MetricsSink, datasheet_peak_flops, flops_per_token, measure_peak_flops
 from trainer.parallel.mesh import build_parallel_dims
 
 
@@ -36,6 +36,16 @@ def test_matmul_probe_is_a_plausible_rate():
     finally:
         torch.set_num_threads(threads)
     assert 1e7 < peak < 1e14
+
+
+def test_datasheet_peak_matches_the_device_name_most_specific_first():
+    # torch.cuda.get_device_name's spellings; NVIDIA's dense bf16 / fp8 tensor-core figures
+    assert datasheet_peak_flops("NVIDIA H200") == 989e12 and datasheet_peak_flops("NVIDIA H200", fp8=True) == 1979e12
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB", fp8=True) is None  # no FP8 tensor cores
+    assert datasheet_peak_flops("Tesla T4") is None  # unlisted: the trainer probes instead
 
 
 def test_sink_writes_jsonl_on_rank0_only(tmp_path):

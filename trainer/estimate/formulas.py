@@ -93,9 +93,11 @@ def state_bytes_per_param(precision: str = "bf16", fp32_grad_accum: bool = False
     fp32 gradient accumulation). fp32 training keeps no separate master copy (4 + 4 + 8 = 16).
     SGD keeps one momentum buffer instead of Adam's two moments. FSDP2 under bf16 (trainer/parallel/fsdp.py)
     keeps fp32 parameter shards that are the masters and fp32 gradient shards, gathering bf16 only for
-    compute: 4 + 4 + 8 = 16 with or without fp32 gradient reduction."""
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be bf16 or fp32, got {precision!r}")
+    compute: 4 + 4 + 8 = 16 with or without fp32 gradient reduction. fp8 holds what bf16 holds (torchao's
+    Float8Linear keeps bf16 weights and casts them to float8 per matmul: trainer/precision.py)."""
+    if precision not in ("bf16", "fp32", "fp8"):
+        raise ValueError(f"precision must be bf16, fp8 or fp32, got {precision!r}")
+    precision = "bf16" if precision == "fp8" else precision
     weights = 2 if precision == "bf16" else 4
     grads = 4 if (fp32_grad_accum or precision == "fp32") else 2
     moments = {"adamw": 8, "sgd": 4}.get(optimizer)

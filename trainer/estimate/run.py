@@ -71,7 +71,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     # seed's whole bf16 weights: FSDP2 holds them gathered from forward to backward.)
     fsdp = par.zero == 3 and par.dp_shard > 1
     per_param = f.state_bytes_per_param(train.precision, train.fp32_grad_accum, train.optimizer, fsdp=fsdp)
-    act_bytes = 2 if train.precision == "bf16" else 4
+    act_bytes = 4 if train.precision == "fp32" else 2  # fp8: torchao saves bf16 inputs for the backward
     # On the wire: weights in the compute dtype, gradients too unless reduced in fp32 (fp32_grad_accum).
     wire_grad = 4 if (train.fp32_grad_accum or train.precision == "fp32") else 2
     recompute = recompute_mode(cfg)

@@ -15,7 +15,7 @@ from torch import nn
 from infra.config.parallel import ParallelConfig
 from infra.config.train import TrainConfig
 
-from ..precision import cast_parameters
+from ..precision import LOW_PRECISION, cast_parameters, convert_to_fp8
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .context_parallel import apply_context_parallel
@@ -33,20 +33,23 @@ __all__ = ["ParallelDims", "build_parallel_dims", "parallelize"]
 
 def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, train: TrainConfig, *,
                 device: torch.device | None = None, seed: int | None = None) -> nn.Module:
-    """Apply, in this order: tensor parallel (+ sequence, vocab parallel), activation checkpointing,
-    torch.compile per block, expert parallel, the pipeline cut, context parallel, FSDP2 for ZeRO-2/3
-    and HSDP (in place); then, for a model built on the meta device (trainer.meta_init.build_model), this
-    rank's share is allocated on `device` and initialised from `seed` with the whole model's values
-    (materialize.py); then DDP for zero=0 (it broadcasts real weights). ZeRO-1 is the optimizer
-    (zero1.build_parallel_optimizer). A model already on a device (post-training's loaded base) is
-    parallelised as it is. Returns the module to train (the DDP wrapper, or `model` itself)."""
+    """Apply, in this order: float8 linear layers (precision fp8), tensor parallel (+ sequence, vocab
+    parallel), activation checkpointing, torch.compile per block, expert parallel, the pipeline cut,
+    context parallel, FSDP2 for ZeRO-2/3 and HSDP (in place); then, for a model built on the meta device
+    (trainer.meta_init.build_model), this rank's share is allocated on `device` and initialised from
+    `seed` with the whole model's values (materialize.py); then DDP for zero=0 (it broadcasts real
+    weights). ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). A model already on a device
+    (post-training's loaded base) is parallelised as it is. Returns the module to train (the DDP
+    wrapper, or `model` itself)."""
     check_supported(parallel, getattr(model, "cfg", None))
     meta = on_meta(model)
     if meta and (device is None or seed is None):
         raise ValueError("parallelize: a model on the meta device needs the device and seed to materialise it on")
     fsdp = parallel.zero >= 2 and dims.dp_shard > 1
-    if train.precision == "bf16" and not fsdp:  # FSDP2 keeps fp32 shards as masters and gathers bf16 (fsdp.py)
+    if train.precision in LOW_PRECISION and not fsdp:  # FSDP2 keeps fp32 shards as masters, gathers bf16 (fsdp.py)
         cast_parameters(model, torch.bfloat16)  # bf16 weights; fp32 masters in the optimizer (trainer/precision.py)
+    if train.precision == "fp8":  # before compile and the wrappers, as TorchTitan converts (precision.py)
+        convert_to_fp8(model, train.fp8, device or next(model.parameters()).device)
     if parallel.tp > 1:  # tensor (+ sequence, vocab) parallel: tensor_parallel.py
         apply_tensor_parallel(model, dims, parallel.sequence_parallel)
     apply_activation_checkpointing(model, train.activation_checkpointing)

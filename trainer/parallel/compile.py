@@ -7,6 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+    """`backend`: torch.compile's; a benchmark's dry run passes "aot_eager" (the same graph capture,
+    forward and backward, without code generation)."""
     for block in model.layers.values():
-        block.compile(fullgraph=False)
+        block.compile(fullgraph=False, backend=backend)

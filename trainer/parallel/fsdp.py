@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ..precision import LOW_PRECISION
 from .mesh import ParallelDims
 
 
@@ -48,7 +49,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
     # grad_reduce_in_fp32), and kept as fp32 shards for the optimizer.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                reduce_dtype=torch.float32 if reduce_fp32 else torch.bfloat16)
-          if precision == "bf16" else MixedPrecisionPolicy())
+          if precision in LOW_PRECISION else MixedPrecisionPolicy())
     reshard = zero == 3
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..loss import cross_entropy_sum
-from ..precision import autocast_for
+from ..precision import LOW_PRECISION, autocast_for
 from .pipeline import Pipeline
 from .pipeline_split import chunks_of_rank
 
@@ -25,7 +25,7 @@ def pipeline_evaluate(model: nn.Module, batches, objective, device: torch.device
     owner = {c: r for r in range(pp) for c in chunks_of_rank(r, pp, virtual, pipe.schedule_name)}
     local = dict(zip(pipe.chunk_ids, pipe.parts))
     shard = getattr(objective, "shard", None)
-    wire = torch.bfloat16 if precision == "bf16" else torch.float32  # hidden states between stages
+    wire = torch.bfloat16 if precision in LOW_PRECISION else torch.float32  # hidden states between stages
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device)  # ce, z, tokens

@@ -52,6 +52,8 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     sweep = [d for d in map(json.loads, out.read_text().splitlines()) if d["figure"] == "serve_concurrency"]
     assert [d["concurrency"] for d in sweep] == [1, 4] and all(d["completed"] == 16 and not d["failed"] for d in sweep)
     assert sweep[0]["over_previous"] is None
+    for d in sweep:  # HF generate in static batches of each sweep size, on that size's requests
+        assert d["ratio_vs_hf_static"] == pytest.approx(d["output_tokens_per_s"] / d["hf_static_output_tokens_per_s"])
     assert sweep[1]["over_previous"] == pytest.approx(sweep[1]["output_tokens_per_s"] / sweep[0]["output_tokens_per_s"])
     for kind in ("speculative_ngram", "speculative_draft"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
