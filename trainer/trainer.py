@@ -3,6 +3,7 @@ recovery, metrics) and the loop over optimizer steps, ending in the job's result
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -179,5 +180,8 @@ class Trainer:
         return figures
 
     def _evaluate(self) -> float:
-        return evaluate(self.model, self.val_batches, self.objective, self.train_cfg.precision, self.device,
+        # the main model's validation loss: the MTP depths (training signal only) are not run
+        objective = (dataclasses.replace(self.objective, mtp_depth=0)
+                     if isinstance(self.objective, LanguageModelling) else self.objective)
+        return evaluate(self.model, self.val_batches, objective, self.train_cfg.precision, self.device,
                         self.dp_group)
