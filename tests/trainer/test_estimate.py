@@ -117,6 +117,20 @@ def test_param_counts_match_the_model():
     assert f.param_counts(moe.model)["total"] == model_mod.param_counts(moe.model)["total"]
 
 
+def test_mtp_modules_are_in_the_per_rank_state_and_activations():
+    """model.mtp_depth: the modules' parameters (the real model's count, test above) sit with the head
+    and hold one more block's activations (never recomputed) per depth, plus the 2h-wide projection input."""
+    plain, mtp = load_config("tiny"), load_config("tiny", ["model.mtp_depth=2", "pretrain.activation_checkpointing=full"])
+    a = estimate_run(plain)["stages"][0]
+    b = estimate_run(mtp)["stages"][0]
+    assert b["params"] - a["params"] == f.mtp_params(mtp.model)["total"] == 2 * (f.model_layer_params(mtp.model)[-1]["total"]
+                                                                                  + 3 * 128 + 2 * 128 * 128)
+    act = f.activation_bytes_per_layer(256, mtp.pretrain.micro_batch_size, 128, 4, act_bytes=4)  # fp32, not recomputed
+    full = estimate_run(load_config("tiny", ["pretrain.activation_checkpointing=full"]))["stages"][0]
+    extra = b["bytes"]["activations"] - full["bytes"]["activations"]
+    assert extra == pytest.approx(2 * (act + 2 * 256 * mtp.pretrain.micro_batch_size * 128 * 4) * full["micro_batches_in_flight"])
+
+
 def test_activation_formulas_korthikanti():
     s, b, h, a = 2048, 2, 4096, 32
     sbh = s * b * h
