@@ -19,8 +19,8 @@ cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with 
 in flight and the same threads, loads it with the same client and requests in each round, and
 reports `ratio` = our output tokens/s over llama.cpp's.
 `--speculative` decodes repetitive code prompts one at a time with and without speculation
-(n-gram prompt lookup, and the draft model when given; `--speculative ngram mtp ...` names the
-proposers, mtp being the checkpoint's own MTP modules) and reports `spec_speedup` (median over
+(n-gram prompt lookup, and the draft model when given; `--speculative draft mtp ...` names the
+proposers timed beside n-gram, mtp being the checkpoint's own MTP modules) and reports `spec_speedup` (median over
 alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate (and the first
 draft token's, `acceptance_rate_first`) and whether the greedy outputs are identical.
 `--spec-prompts-file` (a JSON list of strings) replaces the repetitive code prompts, e.g. by held-out,
@@ -408,7 +408,8 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
         return outs, wall, cpu
 
     plain_engine = build(speculative=None)
-    methods = methods or (["ngram"] + (["draft"] if draft_model_dir else []))
+    # n-gram always runs: the reference the other proposers are read beside
+    methods = ["ngram"] + [m for m in methods or (["draft"] if draft_model_dir else []) if m != "ngram"]
     if "draft" in methods and not draft_model_dir:
         raise ValueError("speculative method 'draft' needs a draft model dir")
     kinds = [(m, {"draft_model_dir": draft_model_dir} if m == "draft" else {}) for m in methods]

@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     b.add_argument("--speculative-bench", dest="spec", action="store_true",
                    help="also time speculative decoding (n-gram, and the draft model) against plain decoding")
     b.add_argument("--speculative", dest="spec_methods", nargs="+", choices=["ngram", "draft", "mtp"], default=None,
-                   help="time these proposers against plain decoding (implies --speculative-bench; mtp: the "
-                        "checkpoint's own MTP modules, k = min(--num-speculative-tokens, its depth))")
+                   help="time these proposers against plain decoding, n-gram's beside them (implies "
+                        "--speculative-bench; mtp: the checkpoint's own MTP modules, k = min(--num-speculative-tokens, "
+                        "its depth))")
     b.add_argument("--spec-prompts-file", default=None,
                    help="JSON list of prompts for the speculative timing (default: repetitive code)")
     b.add_argument("--spec-prompts", type=int, default=4, help="prompts decoded one at a time per speculative round")

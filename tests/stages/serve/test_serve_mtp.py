@@ -138,12 +138,12 @@ def test_mtp_sampling_keeps_the_target_distribution(mtp_dir):
 
 
 def test_bench_reports_mtp_speedup_beside_ngram(mtp_dir):
-    """`bench serve --speculative ngram mtp --spec-prompts-file ...` times each proposer against plain
+    """`bench serve --speculative mtp --spec-prompts-file ...` times MTP and n-gram against plain
     decoding on the given prompts (spec_benchmark): greedy output identical, k capped at the depth, the
     first draft's acceptance reported."""
     from stages.serve.bench import spec_benchmark
 
-    lines = spec_benchmark(str(mtp_dir), None, 1, 16, 3, repeats=1, methods=["ngram", "mtp"], prompts=CODE[:1],
+    lines = spec_benchmark(str(mtp_dir), None, 1, 16, 3, repeats=1, methods=["mtp"], prompts=CODE[:1],
                            num_kv_blocks=64)
     spec = {d["method"]: d for d in lines}
     assert set(spec) == {"ngram", "mtp"}
