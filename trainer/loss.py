@@ -25,10 +25,15 @@ class TokenLoss:
     ce_sum: torch.Tensor
     z_sum: torch.Tensor
     tokens: torch.Tensor  # int64 scalar
+    # multi-token prediction: the weighted MTP loss added to the total, and per depth k the summed
+    # cross-entropy and target count, [2, D] (logged as mtp_loss_k; model/mtp.py)
+    mtp_total: torch.Tensor | None = None
+    mtp_sums: torch.Tensor | None = None
 
     @property
     def total(self) -> torch.Tensor:
-        return self.ce_sum + self.z_sum
+        total = self.ce_sum + self.z_sum
+        return total if self.mtp_total is None else total + self.mtp_total
 
 
 def cross_entropy_sum(

@@ -29,8 +29,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     head, a real matmul, so it is not subtracted."""
     counts = param_counts(cfg)
     matmul_params = counts["active"] - (0 if cfg.tie_embeddings else counts["embedding"])
-    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_size
-    return 6.0 * matmul_params + attention
+    attention = 12 * (cfg.n_layers + cfg.mtp_depth) * seq_len * cfg.n_heads * cfg.head_size
+    # MTP: its modules' parameters are in `active`; each depth also runs the shared LM head again
+    return 6.0 * (matmul_params + cfg.mtp_depth * cfg.vocab_size * cfg.dim) + attention
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5,

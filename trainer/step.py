@@ -51,6 +51,7 @@ class StepResult:
     z_loss: float = 0.0
     aux_loss: float = 0.0
     moe: dict[str, float] = field(default_factory=dict)
+    mtp: dict[str, float] = field(default_factory=dict)  # mtp_loss_k: depth k's mean cross-entropy (model/mtp.py)
     applied: bool = True  # False when the spike guard skipped the optimizer step (trainer.recovery)
 
 
@@ -90,7 +91,8 @@ class LocalPasses:
     def forward_backward(self, micro_batches, objective, scale, cfg, device, optimizer, moes, loads, dropped):
         model, inner = self.model, unwrap(self.model)
         n_micro = len(micro_batches)
-        sums = torch.zeros(3, device=device)  # ce, z, aux
+        depth = getattr(objective, "mtp_depth", 0)
+        sums = torch.zeros(3 + 2 * depth, device=device)  # ce, z, aux (+ each MTP depth's ce sums, then counts)
         for i, mb in enumerate(micro_batches):
             last = i == n_micro - 1
             sync = contextlib.nullcontext() if last else skip_grad_sync(model)  # DDP no_sync / FSDP2
@@ -104,8 +106,10 @@ class LocalPasses:
                 if last and isinstance(optimizer, DistributedOptimizer):
                     optimizer.start_grad_sync_after(1)  # ZeRO-1: each bucket reduce-scatters once this backward fills it
                 loss.backward()
-            sums += torch.stack([part.ce_sum.detach(), part.z_sum.detach(),
-                                 aux.detach() / n_micro if aux is not None else torch.zeros((), device=device)])
+            sums[:3] += torch.stack([part.ce_sum.detach(), part.z_sum.detach(),
+                                     aux.detach() / n_micro if aux is not None else torch.zeros((), device=device)])
+            if depth:
+                sums[3:] += part.mtp_sums.flatten()
             # Read after the backward, not in a forward hook: activation checkpointing reruns the forward.
             for j, m in enumerate(moes):
                 loads[j] += m.tokens_per_expert.float()
@@ -125,7 +129,8 @@ class LocalPasses:
             return sums, loads
         packed = torch.cat([sums, *loads])  # one all-reduce for the logged sums and every MoE layer's load
         dist.all_reduce(packed, group=self.data_group)
-        return packed[:3], list(packed[3:].split([x.numel() for x in loads])) if loads else []
+        n = sums.numel()
+        return packed[:n], list(packed[n:].split([x.numel() for x in loads])) if loads else []
 
 
 def train_step(
@@ -180,6 +185,8 @@ def train_step(
             "moe_dropped": float(dropped.mean()),  # this rank's micro-batches
         }
     total_tokens = float(tokens)
+    depth = (sums.numel() - 3) // 2
+    mtp = {f"mtp_loss_{k + 1}": float(sums[3 + k]) / max(float(sums[3 + depth + k]), 1.0) for k in range(depth)}
     return StepResult(
         loss=float(sums[0]) / max(total_tokens, 1.0),
         grad_norm=float(grad_norm),
@@ -188,5 +195,6 @@ def train_step(
         z_loss=float(sums[1]) / max(total_tokens, 1.0),
         aux_loss=float(sums[2]) / data_size,
         moe=moe_stats,
+        mtp=mtp,
         applied=applied,
     )

@@ -3,6 +3,7 @@ recovery, metrics) and the loop over optimizer steps, ending in the job's result
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -74,7 +75,8 @@ class Trainer:
         self.comm = StepComm(self.dims, enabled=not t.compile)
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
             if t.activation_stats else None
-        self.objective = LanguageModelling(z_loss=self.cfg.model.z_loss)
+        self.objective = LanguageModelling(z_loss=self.cfg.model.z_loss, mtp_depth=self.cfg.model.mtp_depth,
+                                           mtp_weight=t.mtp_loss_weight)
         if self.dims.cp > 1:  # each rank its zigzag share of every sequence; tokens agreed over dp x cp
             from .parallel.context_parallel import context_parallel_setup
 
@@ -125,7 +127,7 @@ class Trainer:
                     "loss": res.loss, "grad_norm": res.grad_norm,
                     "lr": res.lr * (self.recovery.lr_scale if t.spike.enabled else 1.0), "tokens_per_s": tokens_per_s,
                     "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
-                    "peak_memory_gb": peak_memory_gb(self.device), "epoch": self.loader.epoch, **res.moe,
+                    "peak_memory_gb": peak_memory_gb(self.device), "epoch": self.loader.epoch, **res.moe, **res.mtp,
                     **self.comm.metrics, **self.stragglers.exchange(logged),  # every rank: a collective
                 }
                 if self.cfg.model.z_loss > 0:
@@ -182,5 +184,8 @@ class Trainer:
         return figures
 
     def _evaluate(self) -> float:
-        return evaluate(self.model, self.val_batches, self.objective, self.train_cfg.precision, self.device,
+        # the main model's validation loss: the MTP depths (training signal only) are not run
+        objective = (dataclasses.replace(self.objective, mtp_depth=0)
+                     if isinstance(self.objective, LanguageModelling) else self.objective)
+        return evaluate(self.model, self.val_batches, objective, self.train_cfg.precision, self.device,
                         self.dp_group)

@@ -64,6 +64,8 @@ class ModelConfig(Section):
     z_loss: float = Field(0.0, ge=0, description="coefficient of the z-loss log(Z)^2 on the logits")
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig | None = None
+    mtp_depth: int = Field(0, ge=0, le=8, description="multi-token prediction (DeepSeek-V3 sec. 2.2): D sequential "
+                           "modules after the model, module k predicting token i+k+1; 0 = none")
 
     @property
     def kv_heads(self) -> int:

@@ -101,6 +101,10 @@ def unsupported_layout(p: ParallelConfig, model: ModelConfig | None = None) -> s
                     f"the cp ranks, and model.n_kv_heads={model.kv_heads} ({model.kv_heads // p.tp} per tp rank) is "
                     f"not divisible by cp={p.cp}; its degree is capped by the KV heads: use cp_impl=ring, or a cp "
                     f"that divides the KV heads per tp rank")
+        if model.mtp_depth and (p.pp > 1 or p.cp > 1):
+            return (f"model.mtp_depth={model.mtp_depth} with parallel.pp={p.pp} cp={p.cp}: the MTP modules read the "
+                    "embeddings of later tokens, which a pipeline's last stage and a context-parallel sequence shard "
+                    "do not hold; set model.mtp_depth=0 or pp=cp=1")
         if model.moe is not None and model.moe.balance == "aux_loss" and p.pp > 1:
             return (f"model.moe.balance=aux_loss with parallel.pp={p.pp}: the auxiliary loss of earlier stages has no "
                     "path to the pipeline schedule's loss; use model.moe.balance=bias (DeepSeek-V3's bias balancing)")

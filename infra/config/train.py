@@ -86,6 +86,9 @@ class TrainConfig(Section):
                                       "steps rank 0 logs straggler/slowest_rank, compute_s_max, compute_s_median, "
                                       "ratio (trainer/stragglers.py); off on one process. Off by default: ~1.5% of "
                                       "a tiny CPU step (+ a 0.3 ms all-reduce per logged step), ~0 on a real one")
+    mtp_loss_weight: float = Field(0.3, ge=0, description="pretrain with model.mtp_depth D > 0: the loss adds "
+                                   "weight / D x the sum of the D MTP depths' cross-entropies (DeepSeek-V3's lambda: "
+                                   "0.3, then 0.1 for its last 4.8T tokens)")
     eval_every: int = Field(0, ge=0, description="validation loss every N steps (0 = only at the end)")
     eval_batches: int = Field(4, ge=1)
     peak_flops: float | None = Field(None, gt=0, description="peak FLOP/s per device for MFU; None = measured")

@@ -85,6 +85,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, arch: str,
     written (config.json's tie_word_embeddings ties it on load)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
+        if name.startswith(MTP_PREFIX):  # multi-token prediction goes to the sidecar (write_mtp_sidecar)
+            continue
         if name == "lm_head.weight":
             if not cfg.tie_embeddings:
                 out[name] = t
@@ -357,11 +359,62 @@ def write_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     arch = hf_architecture(cfg, moe_architecture)
-    tensors = to_hf_state_dict(sd, cfg, arch, DTYPES[dtype])
+    mtp = {k: v for k, v in sd.items() if k.startswith(MTP_PREFIX)}
+    tensors = to_hf_state_dict({k: v for k, v in sd.items() if not k.startswith(MTP_PREFIX)}, cfg, arch, DTYPES[dtype])
     ids = special_token_ids(tok_dir)
     files = write_safetensors(tensors, out, int(max_shard_mb * 2**20))
     (out / "config.json").write_text(json.dumps(hf_config(cfg, arch, dtype, ids), indent=2))
     write_generation_config(out, ids, tok_dir)
     copy_tokenizer(tok_dir, out)
     nbytes = sum((out / f).stat().st_size for f in files)
-    return {"architecture": ARCH_CLASS[arch], "model_type": arch, "files": files, "bytes": nbytes}
+    result = {"architecture": ARCH_CLASS[arch], "model_type": arch, "files": files, "bytes": nbytes}
+    if mtp:
+        result["mtp_files"] = write_mtp_sidecar(mtp, cfg, out, DTYPES[dtype])
+    return result
+
+
+# Multi-token prediction (trainer/model/mtp.py) travels as a sidecar beside the Hugging Face folder, not in
+# it: transformers' DeepSeek-V3 layout (the MTP module as `model.layers.{n_layers}`) belongs to the
+# DeepseekV3 architecture (MLA, its MoE), which ours is not, and transformers skips that layer on load
+# anyway; in a Llama/Qwen3/Mixtral folder the same names would be unexpected keys to transformers and
+# to vLLM. The sidecar leaves the folder exactly what a model without MTP exports (model.safetensors.index.json
+# lists only its own shards, so loaders never open the sidecar) and our engine reads it for `--speculative mtp`.
+MTP_PREFIX = "mtp."
+MTP_WEIGHTS, MTP_CONFIG = "mtp.safetensors", "mtp.json"
+
+
+def write_mtp_sidecar(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[str]:
+    """`mtp.safetensors`: the MTP modules' own weights under our names (`mtp.{k-1}.hnorm.weight`, ...,
+    `mtp.{k-1}.block.<a decoder layer's names>`); the embedding and LM head they share are the main
+    folder's. `mtp.json` says how to run them."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(tensors.items())},
+              str(out / MTP_WEIGHTS), metadata={"format": "pt"})
+    described = {
+        "format": "eightfold-mtp", "version": 1, "depth": cfg.mtp_depth,
+        "reference": "DeepSeek-V3 technical report, section 2.2 (sequential multi-token prediction)",
+        "shares": ["model.embed_tokens.weight", "lm_head.weight" if not cfg.tie_embeddings else "model.embed_tokens.weight"],
+        "module": ("depth k (1..depth) at position i: h_k = block(eh_proj(concat(hnorm(h_{k-1}), "
+                   "enorm(embed(token[i+k]))))); logits for token[i+k+1] = lm_head(norm(h_k)); h_0 = the last decoder "
+                   "layer's output before the model's final norm; block = one decoder layer of config.json's "
+                   "architecture, its weights named as ours (layers.N without the model. prefix)"),
+        "rms_norm_eps": cfg.norm_eps,
+        "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
+    }
+    (out / MTP_CONFIG).write_text(json.dumps(described, indent=2))
+    return [MTP_WEIGHTS, MTP_CONFIG]
+
+
+def read_mtp_sidecar(model_dir: Path) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """(depth, the MTP weights under our names) from a folder `write_hf` wrote, or None when it has none."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    if not (model_dir / MTP_CONFIG).is_file():
+        return None
+    described = json.loads((model_dir / MTP_CONFIG).read_text())
+    if described.get("format") != "eightfold-mtp" or described.get("version") != 1:
+        raise ValueError(f"{model_dir / MTP_CONFIG}: not an eightfold MTP sidecar of version 1 ({described.get('format')!r}, "
+                         f"version {described.get('version')!r})")
+    return int(described["depth"]), load_file(str(model_dir / MTP_WEIGHTS))

@@ -33,7 +33,7 @@ class MergeError(ValueError):
     """The shards do not make one model: the message names the tensor and what is wrong."""
 
 
-MODEL_KEY = re.compile(r"^(embed_tokens\.weight|norm\.weight|lm_head\.weight|layers\.\d+\..+)$")
+MODEL_KEY = re.compile(r"^(embed_tokens\.weight|norm\.weight|lm_head\.weight|layers\.\d+\..+|mtp\.\d+\..+)$")
 # Wrappers that prefix parameter names: DDP (`module.`), torch.compile (`_orig_mod.`), activation
 # checkpointing (`_checkpoint_wrapped_module.`), FSDP1 (`_fsdp_wrapped_module.`).
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -43,7 +43,7 @@ MODEL_SECTIONS = ("model.", "app.model.", "state.model.")
 # Megatron's column/row pairs: column-parallel matrices are split along their outputs (dim 0 of an
 # nn.Linear weight), row-parallel ones along their inputs (dim 1); the vocabulary is split by rows.
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
-ROW = re.compile(r"(o_proj|down_proj)\.weight$")
+ROW = re.compile(r"(o_proj|down_proj|eh_proj)\.weight$")  # eh_proj: MTP's projection (tensor_parallel.py)
 VOCAB = re.compile(r"^(embed_tokens|lm_head)\.weight$")
 EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
 LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -22,9 +22,12 @@ cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with 
 in flight and the same threads, loads it with the same client and requests in each round, and
 reports `ratio` = our output tokens/s over llama.cpp's.
 `--speculative` decodes repetitive code prompts one at a time with and without speculation
-(n-gram prompt lookup, and the draft model when given) and reports `spec_speedup` (median over
-alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate and whether
-the greedy outputs are identical.
+(n-gram prompt lookup, and the draft model when given; `--speculative draft mtp ...` names the
+proposers timed beside n-gram, mtp being the checkpoint's own MTP modules) and reports `spec_speedup` (median over
+alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate (and the first
+draft token's, `acceptance_rate_first`) and whether the greedy outputs are identical.
+`--spec-prompts-file` (a JSON list of strings) replaces the repetitive code prompts, e.g. by held-out,
+non-repetitive code.
 
 `--json-schema` sends a second load in each round, of the same prompt and output lengths (prompts
 from elsewhere in the corpus, so no prefix-cache head start), with `response_format` json_schema
@@ -402,7 +405,8 @@ def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequ
 
 
 def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int, output_len: int, k: int,
-                   repeats: int = 3, **engine_options) -> list[dict[str, Any]]:
+                   repeats: int = 3, methods: list[str] | None = None, prompts: list[str] | None = None,
+                   **engine_options) -> list[dict[str, Any]]:
     """Decode repetitive code prompts one at a time, plain vs speculative; same greedy output required.
 
     Plain and speculative passes alternate `repeats` times on engines built once, and the median
@@ -412,7 +416,8 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
     from .engine import EngineConfig, LLMEngine
     from .sampling import SamplingParams
 
-    prompts = [REPETITIVE_CODE[i % len(REPETITIVE_CODE)].format(i=i) for i in range(num_prompts)]
+    prompts = prompts[:num_prompts] if prompts else \
+        [REPETITIVE_CODE[i % len(REPETITIVE_CODE)].format(i=i) for i in range(num_prompts)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
     def build(**extra) -> LLMEngine:
@@ -438,7 +443,11 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
         return outs, wall, cpu
 
     plain_engine = build(speculative=None)
-    kinds = [("ngram", {})] + ([("draft", {"draft_model_dir": draft_model_dir})] if draft_model_dir else [])
+    # n-gram always runs: the reference the other proposers are read beside
+    methods = ["ngram"] + [m for m in methods or (["draft"] if draft_model_dir else []) if m != "ngram"]
+    if "draft" in methods and not draft_model_dir:
+        raise ValueError("speculative method 'draft' needs a draft model dir")
+    kinds = [(m, {"draft_model_dir": draft_model_dir} if m == "draft" else {}) for m in methods]
     results = []
     for kind, extra in kinds:
         eng = build(speculative=kind, num_speculative_tokens=k, **extra)
@@ -449,14 +458,18 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
             reps.append((plain_s, s, plain_cpu, cpu, outs == plain))
         m = eng.metrics
         prop, acc = m.spec_proposed.value(model_name=eng.model_name), m.spec_accepted.value(model_name=eng.model_name)
+        drafts = m.spec_drafts.value(model_name=eng.model_name)
+        first = m.spec_accepted_per_pos.value(model_name=eng.model_name, position="0")
         ratios = [p / x for p, x, _, _, _ in reps]
         cpu_ratios = [p / x for _, _, p, x, _ in reps]
         mid = sorted(range(len(reps)), key=lambda i: ratios[i])[len(reps) // 2]
-        results.append({"figure": f"speculative_{kind}", "method": kind, "num_speculative_tokens": k,
+        results.append({"figure": f"speculative_{kind}", "method": kind,
+                        "num_speculative_tokens": eng.scheduler.config.num_lookahead_tokens,  # mtp: <= its depth
                         "plain_decode_s": reps[mid][0], "spec_decode_s": reps[mid][1],
                         "spec_speedup": statistics.median(ratios), "spec_speedup_cpu": statistics.median(cpu_ratios),
                         "rounds_spec_speedup": ratios, "rounds_spec_speedup_cpu": cpu_ratios,
                         "acceptance_rate": acc / prop if prop else None,
+                        "acceptance_rate_first": first / drafts if drafts else None,
                         "identical_greedy": all(r[4] for r in reps),
                         "decode_tokens": sum(len(o) - 1 for o in plain)})
     return results
@@ -537,6 +550,8 @@ def bench_serve_command(
     baseline: str | list[str] | None = None,
     baseline_sequential_requests: int = 8,
     speculative: bool = False,
+    speculative_methods: list[str] | None = None,
+    spec_prompts_file: str | None = None,
     draft_model_dir: str | None = None,
     num_speculative_tokens: int = 5,
     spec_prompts: int = 4,
@@ -755,8 +770,9 @@ def bench_serve_command(
     if speculative:
         opts = {k: v for k, v in engine_options.items()
                 if k not in ("max_num_seqs", "speculative", "num_speculative_tokens")}
+        prompts = json.loads(Path(spec_prompts_file).read_text()) if spec_prompts_file else None
         for d in spec_benchmark(model_dir, draft_model_dir, spec_prompts, spec_output_len, num_speculative_tokens,
-                                repeats=rounds, **opts):
+                                repeats=rounds, methods=speculative_methods, prompts=prompts, **opts):
             emit(d)
     if out:
         Path(out).write_text("\n".join(json.dumps(d, default=float) for d in lines) + "\n")

@@ -86,6 +86,14 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                         "and/or llama.cpp's llama-server on the f16 GGUF under the same load")
     b.add_argument("--speculative-bench", dest="spec", action="store_true",
                    help="also time speculative decoding (n-gram, and the draft model) against plain decoding")
+    b.add_argument("--speculative", dest="spec_methods", nargs="+", choices=["ngram", "draft", "mtp"], default=None,
+                   help="time these proposers against plain decoding, n-gram's beside them (implies "
+                        "--speculative-bench; mtp: the checkpoint's own MTP modules, k = min(--num-speculative-tokens, "
+                        "its depth))")
+    b.add_argument("--spec-prompts-file", default=None,
+                   help="JSON list of prompts for the speculative timing (default: repetitive code)")
+    b.add_argument("--spec-prompts", type=int, default=4, help="prompts decoded one at a time per speculative round")
+    b.add_argument("--spec-output-len", type=int, default=128, help="tokens decoded per speculative prompt")
     b.add_argument("--draft-model-dir", default=None, help="draft checkpoint for --speculative-bench")
     b.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
     b.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -141,7 +149,10 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     try:
         return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=ns.concurrency,
                                    request_rate=ns.request_rate, input_len=ns.input_len, output_len=ns.output_len,
-                                   range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline, speculative=ns.spec,
+                                   range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline,
+                                   speculative=ns.spec or bool(ns.spec_methods), speculative_methods=ns.spec_methods,
+                                   spec_prompts_file=ns.spec_prompts_file, spec_prompts=ns.spec_prompts,
+                                   spec_output_len=ns.spec_output_len,
                                    draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                    out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
                                    num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,

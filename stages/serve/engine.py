@@ -30,6 +30,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingParams, TokenLogprob, make_generator
 from .scheduler import Scheduler, SchedulerConfig
+from .mtp_proposer import MTPProposer
 from .speculative import DraftModelProposer, NgramProposer
 from .structured_output import GrammarBackend
 
@@ -64,11 +65,13 @@ class EngineConfig:
     device: str = "cpu"
     """"cpu" or "cuda"."""
     speculative: str | None = None
-    """None, "ngram" (prompt lookup) or "draft" (needs draft_model_dir)."""
+    """None, "ngram" (prompt lookup), "draft" (needs draft_model_dir) or "mtp" (the model's own
+    multi-token-prediction modules, from the export's mtp.safetensors sidecar; mtp_proposer.py)."""
     draft_model_dir: str | None = None
     """Hugging Face folder of the draft model (same tokenizer)."""
     num_speculative_tokens: int = 5
-    """k: draft tokens proposed per step (5, as vLLM's documented examples, with ngram_max 4)."""
+    """k: draft tokens proposed per step (5, as vLLM's documented examples, with ngram_max 4); with
+    mtp, at most the checkpoint's MTP depth (fewer when it has fewer)."""
     ngram_max: int = 4
     """Longest suffix matched by prompt lookup."""
     ngram_min: int = 1
@@ -111,8 +114,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.speculative not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative must be None, 'ngram' or 'draft', got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft", "mtp"):
+            raise ValueError(f"speculative must be None, 'ngram', 'draft' or 'mtp', got {self.speculative!r}")
         if self.speculative == "draft" and not self.draft_model_dir:
             raise ValueError("speculative='draft' needs draft_model_dir")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
@@ -234,6 +237,18 @@ class LLMEngine:
                 raise ValueError(f"draft vocab {ds.vocab_size} != target vocab {shape.vocab_size}: "
                                  "the draft must share the target's tokenizer")
             per_token += kv_bytes_per_token(ds.num_layers, ds.num_kv_heads, ds.head_dim, dtype.itemsize)
+        mtp = None
+        if c.speculative == "mtp":
+            from stages.export.hf import read_mtp_sidecar
+
+            mtp = read_mtp_sidecar(self.model_dir)
+            if mtp is None:
+                raise ValueError(f"speculative='mtp': {self.model_dir} has no MTP sidecar (mtp.json, mtp.safetensors); "
+                                 "train with model.mtp_depth > 0 and export it")
+            mtp_k = min(c.num_speculative_tokens, mtp[0])
+            # each drafted depth: one layer of K/V and its input hidden state per token
+            per_token += mtp_k * (kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, dtype.itemsize)
+                                  + shape.hidden_size * dtype.itemsize)
         self.kv_bytes_per_token = per_token
         # the decode slots' rows hold the target's K/V once more: paid for out of the same budget
         slot_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype.itemsize) \
@@ -252,25 +267,29 @@ class LLMEngine:
         log.info("%s: %s", self.model_name, self.kv_budget.describe(c.block_size, c.max_num_seqs))
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.cache = KVCacheTensors(shape, num_blocks, c.block_size, dtype, self.model.device, fp8=fp8)
-        k = c.num_speculative_tokens if c.speculative else 0
+        k = (mtp_k if mtp is not None else c.num_speculative_tokens) if c.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, k, self.max_model_len), self.kv)
         slots = None
         if row_capacity is not None:
             slots = DecodeSlots(shape, c.max_num_seqs, row_capacity, dtype, self.model.device)
         self.compile_seconds = 0.0
-        if not c.enforce_eager:
+        if not c.enforce_eager and mtp is not None:
+            log.warning("speculative='mtp' runs the target eagerly (its hidden states feed the drafts)")
+        elif not c.enforce_eager:
             if slots is None:  # what is compiled is the decode-slot step
                 log.warning("enforce_eager=False has no effect without decode slots (FP8 KV cache or "
                             "decode_slots=False): running eager")
             elif self.model.compile() and self.model.pieces.warm_up_decode(self.cache, slots, k):
                 self.compile_seconds = self.model.pieces.compile_seconds  # at start: no request pays for it
         self.runner = ModelRunner(self.model, self.cache, self.kv, slots)
-        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.proposer: NgramProposer | DraftModelProposer | MTPProposer | None = None
         if c.speculative == "ngram":
             self.proposer = NgramProposer(k, c.ngram_max, c.ngram_min, self.max_model_len)
         elif c.speculative == "draft":
             draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
+        elif mtp is not None:
+            self.proposer = MTPProposer(self.model, mtp[1], mtp[0], k, num_blocks, c.block_size, self.max_model_len)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = model_stop_token_ids(self.model_dir, self.eos_token_id, self.tokenizer.eos_token_id)
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request
@@ -433,6 +452,7 @@ class LLMEngine:
         # metrics gathered over the step and recorded once (one lock and label lookup per step, not per request)
         ttft, queue, itl = [], [], []
         num_generated = num_drafts = num_proposed = num_accepted = 0
+        accepted_at: list[int] = []  # per draft position: drafts accepted there this step
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id
@@ -442,6 +462,10 @@ class LLMEngine:
                     num_drafts += 1
                     num_proposed += len(s.spec_token_ids)
                     num_accepted += len(res.sampled) - 1
+                    for pos in range(len(res.sampled) - 1):
+                        if pos == len(accepted_at):
+                            accepted_at.append(0)
+                        accepted_at[pos] += 1
             done = emitted.get(rid, 0)
             new = req.num_output_tokens - done
             finished = req.is_finished
@@ -466,6 +490,8 @@ class LLMEngine:
             m.spec_drafts.inc(num_drafts, **labels)
             m.spec_proposed.inc(num_proposed, **labels)
             m.spec_accepted.inc(num_accepted, **labels)
+            for pos, n in enumerate(accepted_at):
+                m.spec_accepted_per_pos.inc(n, position=str(pos), **labels)
         if num_generated:
             m.generation_tokens.inc(num_generated, **labels)
         for hist, values in ((m.ttft, ttft), (m.queue, queue), (m.itl, itl), (m.itl_legacy, itl)):
@@ -477,7 +503,7 @@ class LLMEngine:
         self._last_prefix = (queries, hits)
         if self.proposer is not None:
             decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-            if isinstance(self.proposer, DraftModelProposer):
+            if isinstance(self.proposer, (DraftModelProposer, MTPProposer)):
                 self.proposer.propose(decoding, {r.request_id: self.kv.block_ids(r.request_id) for r in decoding})
             else:
                 self.proposer.propose(decoding)

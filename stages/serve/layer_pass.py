@@ -49,10 +49,12 @@ class LayerPass:
         return False
 
     def run(self, ids: torch.Tensor, embed, cos: torch.Tensor, sin: torch.Tensor, weights: list[tuple[tuple, tuple]],
-            final_norm, lm_head, cache, meta: AttentionMetadata, logits_rows: torch.Tensor | None) -> torch.Tensor:
+            final_norm, lm_head, cache, meta: AttentionMetadata, logits_rows: torch.Tensor | None,
+            hidden_out: torch.Tensor | None = None) -> torch.Tensor:
         """ids [T] -> float32 logits of `logits_rows` (None: every row). `weights`: per layer the two
         tuples of PagedLlama.layer_weights; `cos`/`sin`: [T, 1, d] RoPE rows of the tokens' positions;
-        `cache`: model.KVCacheTensors."""
+        `cache`: model.KVCacheTensors. `hidden_out` [slots, H]: when given, every row's last-layer output
+        (before the final norm) is written at its KV slot (what MTP drafting reads: mtp_proposer.py)."""
         x = embed[ids]
         for li, (w_in, w_out) in enumerate(weights):
             q, kv_new = self.attn_in(x, w_in, cos, sin)
@@ -61,6 +63,8 @@ class LayerPass:
             if meta.slot_write is not None:
                 meta.slot_write.write(li, kv_new)
             x = self.attn_out(x, attend(li, q, kv_new, meta.groups, cache), w_out)
+        if hidden_out is not None:
+            hidden_out[meta.slot_mapping] = x
         return self.head(x if logits_rows is None else x[logits_rows], final_norm, lm_head)
 
     def attn_in(self, x: torch.Tensor, w: tuple, cos: torch.Tensor, sin: torch.Tensor):

@@ -153,6 +153,9 @@ class ServeMetrics:
         self.spec_drafts = Counter(f"{v}:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_proposed = Counter(f"{v}:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_accepted = Counter(f"{v}:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        # vLLM's per-position series (label `position`, 0 = the first draft token): with MTP, depth position + 1
+        self.spec_accepted_per_pos = Counter(f"{v}:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft token position.")
         self.preemptions = Counter(f"{v}:num_preemptions", "Cumulative number of preemption from the engine.")
         self.running = Gauge(f"{v}:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = Gauge(f"{v}:num_requests_waiting", "Number of requests waiting to be processed.")

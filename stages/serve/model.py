@@ -274,6 +274,9 @@ def dequantize_state_dict(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> di
 class PagedLlama:
     """Weights as plain tensors (q/k/v and gate/up fused so each is one matmul) and a forward."""
 
+    # [slots, H]: set by MTP drafting (mtp_proposer.py) to receive every row's last hidden state per KV slot
+    hidden_cache: torch.Tensor | None = None
+
     def __init__(self, shape: LlamaShape, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, quantization_config: dict | None = None):
         self.shape = shape
@@ -392,6 +395,9 @@ class PagedLlama:
         weights = [self.layer_weights(li, lora) for li in range(len(self.layers))]
         pieces = self.pieces
         # adapter rows run eagerly, through the adapted weights; so does any step not warmed up
+        if self.hidden_cache is not None:  # the eager pass writes the hidden states MTP drafting reads
+            return pieces.eager.run(input_ids, self.embed, cos, sin, weights, self.final_norm, self.lm_head, cache,
+                                    meta, logits_index, hidden_out=self.hidden_cache)
         if lora is not None or not pieces.covers(meta, cache, logits_index):
             pieces = pieces.eager
         return pieces.run(input_ids, self.embed, cos, sin, weights, self.final_norm, self.lm_head, cache, meta,

@@ -39,6 +39,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft proposals to verify next step
     spec_draft_probs: torch.Tensor | None = None  # [k, V] draft distribution (None: deterministic draft)
     draft_num_computed: int = 0  # tokens whose K/V the draft model wrote (valid up to the accepted ones)
+    mtp_computed: list[int] = field(default_factory=list)  # per MTP depth: positions whose K/V are final
+    mtp_preemptions: int = 0  # num_preemptions when mtp_computed was last valid (a preemption frees the blocks)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

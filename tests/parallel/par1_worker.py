@@ -48,10 +48,11 @@ LAYOUTS = {
 }
 TRAIN = {"zero1_dp2_fp32acc": {"fp32_grad_accum": True}}  # pretrain: overrides
 BF16 = "_bf16"  # a layout's name with this suffix: the same layout with pretrain.precision bf16
+MTP = "_mtp"  # ... with this one: the model with 2 multi-token-prediction depths (trainer/model/mtp.py)
 
 
 def layout(name: str) -> dict:
-    return LAYOUTS[name.removesuffix(BF16)]
+    return LAYOUTS[name.removesuffix(BF16).removesuffix(MTP)]
 
 
 def world_of(name: str) -> int:
@@ -64,7 +65,8 @@ def config(name: str, optimizer: str, bucket_mb: float = 0.02) -> LifecycleConfi
     return LifecycleConfig.model_validate({
         "name": "par1", "seed": 0,
         "model": {"vocab_size": VOCAB, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
-                  "max_seq_len": 32, "qk_norm": True, "z_loss": 1e-3},  # b*s = 32 != h = 48
+                  "max_seq_len": 32, "qk_norm": True, "z_loss": 1e-3,  # b*s = 32 != h = 48
+                  "mtp_depth": 2 if name.endswith(MTP) else 0},
         "tokenizer": {"vocab_size": VOCAB},
         "parallel": p,
         "pretrain": {"steps": STEPS, "seq_len": SEQ, "micro_batch_size": MICRO, "global_batch_size": GLOBAL,
@@ -105,9 +107,10 @@ def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
     dims = build_parallel_dims(cfg.parallel, "cpu")
     model = parallelize(build_model(cfg), dims, cfg.parallel, t, device=torch.device("cpu"), seed=cfg.seed)
     opt = build_parallel_optimizer(unwrap(model), dims, cfg.parallel, t)
-    objective = LanguageModelling(z_loss=cfg.model.z_loss)
+    objective = LanguageModelling(z_loss=cfg.model.z_loss, mtp_depth=cfg.model.mtp_depth,
+                                  mtp_weight=t.mtp_loss_weight)
     dp_group = dims.group("dp")
-    losses, norms, comm = [], [], None
+    losses, norms, mtp, comm = [], [], [], None
     stats = ActivationStats(unwrap(model), cfg.model.n_layers, torch.device("cpu"))
     for step in range(t.steps):
         micro = micro_batches(step, dims.rank("dp"), dims.dp)
@@ -122,8 +125,9 @@ def run(name: str, optimizer: str, count_step: int | None = None) -> dict:
         else:
             res = train_step(model, opt, micro, objective, t, step, torch.device("cpu"), dp_group)
         losses.append(res.loss)
+        mtp.append(res.mtp)
         norms.append(res.grad_norm)
-    out = {"losses": losses, "grad_norms": norms, "comm": comm, "acts": acts, "state_bytes": optimizer_state_bytes(opt),
+    out = {"losses": losses, "grad_norms": norms, "mtp": mtp, "comm": comm, "acts": acts, "state_bytes": optimizer_state_bytes(opt),
            "n_micro": len(micro), "params": sum(p.numel() for p in unwrap(model).parameters())}
     if optimizer == "sgd":
         out["state"] = full_state(model)

@@ -61,6 +61,10 @@ MODEL_REFUSED = [  # layouts this model cannot take: refused by validation and, 
     # Seed: Ulysses's "degree is capped by the number of KV heads" (4 query heads split over cp=2, 1 KV head does not)
     (["parallel.nproc_per_node=2", "parallel.cp=2", "parallel.cp_impl=ulysses", "model.n_kv_heads=1"],
      ["parallel.cp_impl=ulysses", "parallel.cp=2", "model.n_kv_heads=1", "cp_impl=ring"]),
+    # MTP reads later tokens' embeddings: not on a pipeline's last stage nor on a context-parallel shard (yet)
+    (["parallel.nproc_per_node=2", "parallel.pp=2", "pretrain.micro_batch_size=2", "model.mtp_depth=1"],
+     ["mtp_depth=1", "pp=2"]),
+    (["parallel.nproc_per_node=2", "parallel.cp=2", "model.mtp_depth=2"], ["mtp_depth=2", "cp=2"]),
 ]
 
 

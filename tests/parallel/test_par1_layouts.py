@@ -20,8 +20,10 @@ import par1_worker as W  # noqa: E402
 
 PARITY = ["ddp2", "zero1_dp2", "zero1_dp4", "zero2_dp2", "zero3_dp4", "hsdp_2x2", "tp2", "tp2_sp", "tp2_zero1_dp2",
           "tp2_fsdp_dp2"]
+# the model with MTP modules (2 depths) through DDP, ZeRO-1, FSDP (ZeRO-2) and TP+SP, against its own one process
+MTP = [n + W.MTP for n in ("ddp2", "zero1_dp2", "zero2_dp2", "tp2_sp")]
 BF16 = [n + W.BF16 for n in PARITY + ["zero1_dp2_fp32acc"]]  # every parity layout again in bf16
-WORLD2 = ["ddp2", "zero1_dp2", "zero2_dp2", "tp2", "tp2_sp"] + [n for n in BF16 if W.world_of(n) == 2]
+WORLD2 = ["ddp2", "zero1_dp2", "zero2_dp2", "tp2", "tp2_sp"] + [n for n in BF16 if W.world_of(n) == 2] + MTP
 WORLD4 = ["ddp4", "zero1_dp4", "zero3_dp4", "hsdp_2x2", "tp2_zero1_dp2", "tp2_fsdp_dp2"] + \
     [n for n in BF16 if W.world_of(n) == 4]
 L, B, S, H = 2, W.MICRO, W.SEQ, 48  # layers, micro-batch rows, sequence, model dim (par1_worker.config)
@@ -45,7 +47,7 @@ def launch(tmp: Path, names: list[str]) -> dict:
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("par1")
     torch.set_num_threads(1)
-    out = W.run_all(["one", "one" + W.BF16])
+    out = W.run_all(["one", "one" + W.BF16, "one" + W.MTP])
     out.update(launch(tmp, WORLD2))
     out.update(launch(tmp, WORLD4))
     return out
@@ -60,9 +62,10 @@ def wire(records: list[dict]) -> float:
     return sum(r["wire_bytes"] for r in records)
 
 
-@pytest.mark.parametrize("layout", PARITY)
+@pytest.mark.parametrize("layout", PARITY + MTP)
 def test_layout_matches_one_process(results, layout):
-    one, par = results["one"], results[layout]
+    reference = "one" + W.MTP if layout.endswith(W.MTP) else "one"
+    one, par = results[reference], results[layout]
     # every collective is attributed to a named mesh dimension
     assert {r["dim"] for r in par["adamw"]["comm"]} <= {"dp", "dp_shard", "dp_replicate", "tp"}, layout
     ref = torch.tensor(one["adamw"]["losses"], dtype=torch.float64)
@@ -83,7 +86,13 @@ def test_layout_matches_one_process(results, layout):
     for name, w in w1.items():
         assert w2[name].shape == w.shape, name
         torch.testing.assert_close(w2[name], w, rtol=0, atol=1e-5, msg=name)
-    init = W.build_model(W.config("one", "sgd"), torch.device("cpu"), 0).state_dict()
+    if layout.endswith(W.MTP):  # each depth's loss too, and the MTP weights are among those compared
+        assert any(k.startswith("mtp.1.") for k in w1) and len(one["adamw"]["mtp"][0]) == 2
+        for got_m, want_m in zip(par["adamw"]["mtp"], one["adamw"]["mtp"]):
+            assert got_m.keys() == want_m.keys()
+            for k, want in want_m.items():
+                assert abs(got_m[k] - want) <= 1e-5 * want, (layout, k, got_m[k], want)
+    init = W.build_model(W.config(reference, "sgd"), torch.device("cpu"), 0).state_dict()
     assert max((w - init[k]).abs().max().item() for k, w in w1.items()) > 1e-3  # moved far beyond the tolerance
 
 

@@ -104,14 +104,31 @@ def test_param_counts_match_the_model():
     model_mod = pytest.importorskip("trainer.model")
     variants = [("tiny", []), ("seed-1b", []), ("tiny", ["model.tie_embeddings=true", "model.qk_norm=true"]),
                 ("tiny", ["model.moe.num_experts=4", "model.moe.top_k=1", "model.moe.shared_expert=true",
-                          "model.moe.every=2", "model.moe.ffn_dim=96"])]
+                          "model.moe.every=2", "model.moe.ffn_dim=96"]),
+                ("tiny", ["model.mtp_depth=2", "model.qk_norm=true"]),
+                ("tiny", ["model.mtp_depth=1", "model.moe.num_experts=4", "model.moe.top_k=1", "model.moe.every=1"])]
     for name, ov in variants:
         cfg = load_config(name, ov)
         ours, theirs = f.param_counts(cfg.model), model_mod.param_counts(cfg.model)
-        assert (ours["total"], ours["active"], ours["embedding"]) == (theirs["total"], theirs["active"],
-                                                                       theirs["embedding"]), (name, ov)
+        assert (ours["total"], ours["active"], ours["embedding"], ours["mtp"]) == (
+            theirs["total"], theirs["active"], theirs["embedding"], theirs["mtp"]), (name, ov)
+    assert f.param_counts(load_config("tiny", ["model.mtp_depth=2"]).model)["mtp"] > 0
     moe = load_preset("seed-1b-moe")
     assert f.param_counts(moe.model)["total"] == model_mod.param_counts(moe.model)["total"]
+
+
+def test_mtp_modules_are_in_the_per_rank_state_and_activations():
+    """model.mtp_depth: the modules' parameters (the real model's count, test above) sit with the head
+    and hold one more block's activations (never recomputed) per depth, plus the 2h-wide projection input."""
+    plain, mtp = load_config("tiny"), load_config("tiny", ["model.mtp_depth=2", "pretrain.activation_checkpointing=full"])
+    a = estimate_run(plain)["stages"][0]
+    b = estimate_run(mtp)["stages"][0]
+    assert b["params"] - a["params"] == f.mtp_params(mtp.model)["total"] == 2 * (f.model_layer_params(mtp.model)[-1]["total"]
+                                                                                  + 3 * 128 + 2 * 128 * 128)
+    act = f.activation_bytes_per_layer(256, mtp.pretrain.micro_batch_size, 128, 4, act_bytes=4)  # fp32, not recomputed
+    full = estimate_run(load_config("tiny", ["pretrain.activation_checkpointing=full"]))["stages"][0]
+    extra = b["bytes"]["activations"] - full["bytes"]["activations"]
+    assert extra == pytest.approx(2 * (act + 2 * 256 * mtp.pretrain.micro_batch_size * 128 * 4) * full["micro_batches_in_flight"])
 
 
 def test_activation_formulas_korthikanti():
@@ -412,7 +429,8 @@ def test_tiny_estimate_matches_counted_flops():
     from trainer.estimate import count_model_flops
 
     moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "pretrain.micro_batch_size=2"]
-    for ov in (["pretrain.micro_batch_size=4"], moe):
+    mtp = ["model.mtp_depth=2", "pretrain.micro_batch_size=2"]
+    for ov in (["pretrain.micro_batch_size=4"], moe, mtp):
         cfg = load_config("tiny", ov)
         torch.manual_seed(0)
         model = model_mod.Transformer(cfg.model)
@@ -427,8 +445,9 @@ def test_tiny_estimate_matches_counted_flops():
         from trainer.metrics import flops_per_token
     except ImportError:
         return
-    cfg = load_config("tiny")
-    assert flops_per_token(cfg.model, cfg.pretrain.seq_len) == pytest.approx(estimate_run(cfg)["flops_per_token"])
+    for ov in ([], mtp):
+        cfg = load_config("tiny", ov)
+        assert flops_per_token(cfg.model, cfg.pretrain.seq_len) == pytest.approx(estimate_run(cfg)["flops_per_token"])
 
 
 # --------------------------------------------------------------------------------------------- command

@@ -101,3 +101,42 @@ def test_param_counts_match_the_seed():
     h, f, L, V = cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.vocab_size
     assert dense["total"] == 2 * V * h + h + L * (4 * h * h + 3 * h * f + 2 * h)
     assert moe["active"] == 2 * V * h + h + L * (4 * h * h + 2 * 3 * h * f + 2 * h + 8 * h)
+
+
+def test_mtp_depths_match_a_sliced_reference_and_leave_the_main_loss_alone():
+    """Model with model.mtp_depth=2 (trainer/model/mtp.py): the main loss and the trunk's initial weights
+    are those of the model without MTP (bit for bit), and depth 1's summed loss equals a reference that
+    slices the sequence (positions 0..S-2 against tokens 2..S) instead of rolling it."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from trainer.data import MicroBatch
+    from trainer.model.transformer import rope_cos_sin
+    from trainer.objectives import LanguageModelling
+
+    cfg0 = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=32)
+    cfg2 = cfg0.model_copy(update={"mtp_depth": 2})
+    torch.manual_seed(0)
+    plain = Transformer(cfg0)
+    torch.manual_seed(0)
+    mtp = Transformer(cfg2)
+    sd = mtp.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in plain.state_dict().items())
+    assert {k for k in sd if k.startswith("mtp.")} and not any(k.startswith("mtp.") for k in plain.state_dict())
+    rows = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    mb = MicroBatch(inputs=rows[:, :-1], targets=rows[:, 1:].clone(), rows=np.arange(2))
+    base = LanguageModelling().loss(plain, mb, torch.device("cpu"))
+    part = LanguageModelling(mtp_depth=2, mtp_weight=0.3).loss(mtp, mb, torch.device("cpu"))
+    assert torch.equal(base.ce_sum, part.ce_sum)
+    assert part.mtp_sums[1].tolist() == [2 * 15, 2 * 14]  # depth k: S - k targets per row
+    with torch.no_grad():
+        cos, sin = rope_cos_sin(torch.arange(16), cfg2.head_size, cfg2.rope_theta)
+        h = mtp.embed_tokens(rows[:, :-1])
+        for layer in mtp.layers.values():
+            h = layer(h, cos, sin)
+        m = mtp.mtp[0]
+        x = m.eh_proj(torch.cat([m.hnorm(h[:, :15]), m.enorm(mtp.embed_tokens(rows[:, 1:16]))], -1))
+        logits = mtp.lm_head(m.norm(m.block(x, cos[:15], sin[:15])))
+        ref = F.cross_entropy(logits.reshape(-1, 64), rows[:, 2:17].reshape(-1), reduction="sum")
+    torch.testing.assert_close(part.mtp_sums[0, 0], ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(part.total, part.ce_sum + 0.3 / 2 * part.mtp_sums[0].sum(), rtol=1e-5, atol=1e-4)

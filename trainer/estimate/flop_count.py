@@ -52,6 +52,13 @@ def _inputs_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"batch must be a MicroBatch, an (inputs, targets) pair or a token tensor, got {type(batch).__name__}")
 
 
+def _loss_head(targets: torch.Tensor):
+    def head(hidden, lm_head):
+        logits = lm_head(hidden)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    return head
+
+
 def count_model_flops(model: torch.nn.Module, batch) -> int:
     """FLOPs of forward + cross-entropy + backward of `model` (tokens [B, S] -> logits [B, S, V]) on `batch`.
 
@@ -66,8 +73,16 @@ def count_model_flops(model: torch.nn.Module, batch) -> int:
         p.grad = None
     try:
         with FlopCounterMode(display=False, custom_mapping=_attention_mapping()) as counter:
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            depth = len(model.mtp) if getattr(model, "mtp", None) is not None else 0
+            if depth:  # the MTP modules train with the model: their depths' heads and losses count too
+                from ..model.mtp import targets_ahead
+
+                heads = [_loss_head(targets_ahead(targets, k, -100)) for k in range(1, depth + 1)]
+                main, ahead = model(inputs, head=_loss_head(targets), mtp_heads=heads)
+                loss = main + sum(ahead)
+            else:
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
             loss.backward()
     finally:
         for p, g in saved.items():

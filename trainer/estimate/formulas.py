@@ -68,20 +68,43 @@ def model_layer_params(model) -> list[dict[str, int]]:
     return out
 
 
+def mtp_params(model) -> dict[str, int]:
+    """The model.mtp_depth MTP modules' parameters (trainer/model/mtp.py), each: three RMSNorms (h, the
+    embedding, its output), the 2h -> h projection and one block of the last layer's kind; the
+    embedding and LM head are the model's own. tp_whole as in layer_params (+ the three norms)."""
+    depth = getattr(model, "mtp_depth", 0)
+    if not depth:
+        return {"total": 0, "active": 0, "routed": 0, "tp_whole": 0}
+    block = model_layer_params(model)[-1]
+    extra = 3 * model.dim + 2 * model.dim * model.dim
+    return {"total": depth * (block["total"] + extra), "active": depth * (block["active"] + extra),
+            "routed": depth * block["routed"], "tp_whole": depth * (block["tp_whole"] + 3 * model.dim)}
+
+
 def param_counts(model) -> dict[str, int]:
     """Total and active-per-token parameters of a ModelConfig; the embedding table and the LM head apart.
 
     `embedding` is the lookup table (no FLOPs); `head` the output projection (V x h FLOPs per token); a
-    tied head shares the table, so it adds no parameters but still costs its matmul.
+    tied head shares the table, so it adds no parameters but still costs its matmul. `mtp`: the MTP
+    modules' share of total (mtp_params).
     """
     layers = model_layer_params(model)
+    mtp = mtp_params(model)
     embedding = model.vocab_size * model.dim
     head = 0 if model.tie_embeddings else model.vocab_size * model.dim
     final_norm = model.dim
-    total = embedding + head + final_norm + sum(x["total"] for x in layers)
-    active = embedding + head + final_norm + sum(x["active"] for x in layers)
+    total = embedding + head + final_norm + sum(x["total"] for x in layers) + mtp["total"]
+    active = embedding + head + final_norm + sum(x["active"] for x in layers) + mtp["active"]
     return {"total": total, "active": active, "embedding": embedding, "head": head,
-            "routed": sum(x["routed"] for x in layers)}
+            "routed": sum(x["routed"] for x in layers) + mtp["routed"], "mtp": mtp["total"]}
+
+
+def mtp_flops_per_token(model, seq_len: int, causal: bool = False) -> float:
+    """What the MTP modules add beyond 6 x their own parameters (counted in `active`): each depth runs the
+    shared LM head once more (6 V h per token) and one more layer of attention."""
+    depth = getattr(model, "mtp_depth", 0)
+    return depth * (6 * model.vocab_size * model.dim
+                    + attention_flops_per_token(1, seq_len, model.n_heads * model.head_size, causal))
 
 
 # ----------------------------------------------------------------------------------------- model state

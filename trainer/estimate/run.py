@@ -67,6 +67,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     model, par, train, est = cfg.model, cfg.parallel, cfg.pretrain, cfg.estimate
     counts = f.param_counts(model)
     layers = f.model_layer_params(model)
+    mtp = f.mtp_params(model)
     # ZeRO-3 is FSDP2 (trainer/parallel/fsdp.py): its fp32 shards are the masters. (ZeRO-2's estimate keeps the
     # seed's whole bf16 weights: FSDP2 holds them gathered from forward to backward.)
     fsdp = par.zero == 3 and par.dp_shard > 1
@@ -110,11 +111,13 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             dense += counts["embedding"]
         if holds_head:
             dense += model.dim + counts["head"]  # final norm and LM head
+            dense += mtp["total"] - mtp["routed"]  # MTP modules sit with the head (pp > 1 is refused with them)
+            routed += mtp["routed"]
             if model.tie_embeddings and p > 1:
                 dense += counts["embedding"]  # a tied head on its own stage keeps a copy of the table
         # Tensor parallelism splits every matrix but the norm gains and MoE layers (router, shared expert);
         # routed experts are split over ep only.
-        whole = sum(layers[i]["tp_whole"] for i in ids) + (model.dim if holds_head else 0)  # + the final norm
+        whole = sum(layers[i]["tp_whole"] for i in ids) + ((model.dim + mtp["tp_whole"]) if holds_head else 0)
         dense_rank, routed_rank = (dense - whole) / tp + whole, routed / ep
         state = {k: a + b for (k, a), b in zip(
             f.zero_state_bytes(dense_rank, per_param, par.zero, dense_shard).items(),
@@ -127,6 +130,10 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
             by_zero[str(z)] = (sum(f.zero_state_bytes(dense_rank, pz, z, zs).values())
                                + sum(f.zero_state_bytes(routed_rank, pz, z, es).values()))
         chunk_bytes = [sum(layer_act(i, recompute) for i in chunks[c]) for c in range(n_chunks)]
+        # MTP: one more block per depth on the last chunk, never recomputed (activation checkpointing
+        # wraps the trunk's blocks), plus the 2h-wide projection input
+        chunk_bytes[last] += model.mtp_depth * (layer_act(model.n_layers - 1, "none")
+                                                + 2 * s_local * mbs * model.dim * act_bytes)
         if timeline is not None:
             activations = timeline.peak_held(r, chunk_bytes)
             in_flight = timeline.peak_held(r, [1.0] * n_chunks)
@@ -149,7 +156,7 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
     q_dim = model.n_heads * model.head_size
     causal = est.attention_flops == "causal"
     per_token = f.flops_per_token(counts["active"], counts["embedding"], model.tie_embeddings, model.n_layers, seq,
-                                  q_dim, causal)
+                                  q_dim, causal) + f.mtp_flops_per_token(model, seq, causal)
     flops_step = per_token * tokens
     gpus = est.gpus or par.world_size
     sustained = est.gpu_peak_flops * est.mfu
@@ -173,7 +180,9 @@ def estimate_run(cfg: LifecycleConfig) -> dict:
                                           weight_bytes=weight_bytes, micro_batches=micro_batches, reductions=reductions)
         gains = 2 * n_layers * model.dim + (model.dim if st["holds_head"] else 0)
         tp_bytes = f.tensor_parallel_bytes(
-            act_tensor, tp, dense_layers=n_layers - moe_layers, moe_layers=moe_layers,
+            # MTP depths counted as blocks (their projection's and extra lookup's all-reduces left out)
+            act_tensor, tp, dense_layers=n_layers - moe_layers + (model.mtp_depth if st["holds_head"] else 0),
+            moe_layers=moe_layers,
             holds_embedding=st["holds_embedding"], holds_head=st["holds_head"], tokens=mbs * s_local,
             sequence_parallel=par.sequence_parallel, norm_gains=gains, gain_bytes=act_bytes,
             micro_batches=micro_batches)

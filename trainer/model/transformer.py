@@ -17,6 +17,7 @@ from .bf16_matmul import Linear
 from .init import fill_initial, initial_std
 from .kernels import rms_norm
 from .moe import MLP, MoE
+from .mtp import MTPModule, tokens_ahead
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -178,6 +179,12 @@ class Transformer(nn.Module):
         self.lm_head: Linear | None = Linear(cfg.dim, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # multi-token prediction (mtp.py); None without it, so a D=0 model is exactly the plain one. Built
+        # without touching torch's generator (init_weights draws its seed next): the trunk starts the same.
+        self.mtp = None
+        if cfg.mtp_depth:
+            with torch.random.fork_rng(devices=[]):
+                self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in range(1, cfg.mtp_depth + 1)])
         self.init_weights()
 
     @torch.no_grad()
@@ -207,14 +214,18 @@ class Transformer(nn.Module):
             if isinstance(m, MoE):
                 m.expert_bias.zero_()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, documents=None, head=None):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *, documents=None, head=None,
+                mtp_heads=None):
         """`documents` [B, S], when given, tags each token with the packed document it belongs to: positions
         restart per document and attention stays inside it (see document_positions_and_mask).
 
         `head`, when given, is called as head(hidden, lm_head) in place of lm_head(hidden) and its
         result returned: a loss can then fuse the LM head with itself (trainer/loss.py HeadLoss) and
         never hold the full logits, while the head still runs inside this forward (where data- and
-        tensor-parallel wrappers expect the model's parameters to be used)."""
+        tensor-parallel wrappers expect the model's parameters to be used).
+
+        `mtp_heads` (with `head`, on a model with MTP modules): one head per depth k, called on depth k's
+        normed hidden state (mtp.py); the forward then returns (head's result, [each depth's result])."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # [B, S, D]
         mask = None
         if documents is not None:
@@ -226,20 +237,35 @@ class Transformer(nn.Module):
         cos, sin = cos.to(dtype), sin.to(dtype)  # once here rather than per layer and per q/k
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
+        trunk = h  # h^0 of multi-token prediction: before the final norm
         if self.norm is not None:
             h = self.norm(h)
         if head is not None:
             if self.lm_head is None:
                 raise ValueError("head= given to a model part without an LM head (a pipeline stage before the last)")
+            if mtp_heads is not None:
+                return head(h, self.lm_head), self.predict_ahead(tokens, trunk, cos, sin, mask, mtp_heads)
             return head(h, self.lm_head)
         if self.lm_head is not None:
             h = self.lm_head(h)  # [B, S, V]
         return h
 
 
+    def predict_ahead(self, tokens, h, cos, sin, mask, heads) -> list:
+        """The MTP depths in sequence (mtp.py): depth k combines h^{k-1} with the embedding of t_{i+k}."""
+        if self.mtp is None or len(heads) != len(self.mtp):
+            raise ValueError(f"{len(heads)} MTP heads for a model with mtp_depth={self.cfg.mtp_depth}")
+        out = []
+        for k, (module, head) in enumerate(zip(self.mtp, heads), start=1):
+            h = module(h, self.embed_tokens(tokens_ahead(tokens, k)), cos, sin, mask)
+            out.append(head(module.norm(h), self.lm_head))
+        return out
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Total parameters, parameters active per token (top_k of E routed experts) and the embedding's,
-    counted on the meta device so nothing is allocated. Tied weights count once."""
+    """Total parameters, parameters active per token (top_k of E routed experts), the embedding's and the
+    MTP modules' (included in total and active), counted on the meta device so nothing is allocated.
+    Tied weights count once."""
     with torch.device("meta"):
         model = Transformer(cfg)
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
@@ -249,4 +275,5 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             routed = sum(p.numel() for p in m.experts.parameters())
             active -= routed - routed * m.top_k // m.num_experts
     embedding = model.embed_tokens.weight.numel()
-    return {"total": total, "active": active, "embedding": embedding}
+    mtp = sum(p.numel() for p in model.mtp.parameters()) if model.mtp is not None else 0  # shared embedding/head not again
+    return {"total": total, "active": active, "embedding": embedding, "mtp": mtp}

@@ -51,7 +51,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
                                reduce_dtype=torch.float32 if reduce_fp32 else torch.bfloat16)
           if precision in LOW_PRECISION else MixedPrecisionPolicy())
     reshard = zero == 3
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *(model.mtp or ())]:  # + the MTP modules (model/mtp.py), one unit each
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     pipe = getattr(model, "pipeline", None)
     if pipe is not None:

@@ -49,4 +49,5 @@ def stage_module(model: Transformer, layer_ids: list[int], first: bool, last: bo
     part.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
     part.norm = model.norm if last else None
     part.lm_head = model.lm_head if last else None
+    part.mtp = None  # MTP with pp > 1 is refused (infra.config.parallel.unsupported_layout)
     return part

@@ -111,32 +111,47 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_paralle
     }
     parallelize_module(model, mesh, {k: v for k, v in top.items() if getattr(model, k, None) is not None})
     for block in model.layers.values():
-        plan = {
-            "input_layernorm": SequenceParallel() if sp else ReplicateParallel(),
-            "self_attn": PrepareModuleInput(input_layouts=(residual, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
-            "post_attention_layernorm": SequenceParallel() if sp else ReplicateParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
-        }
-        if isinstance(block.mlp, MoE):
-            # MoE layers are not split over tp: every tp rank runs the whole layer (its experts spread over
-            # ep ranks of the same tp coordinate) on the whole (gathered) sequence, so router, experts,
-            # loads and balancing are identical across tp; under SP the output is cut back to this rank's
-            # share of the sequence (a slice; its backward gathers the gradient).
-            for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-                del plan[name]
-            plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=True)
-        if block.self_attn.q_norm is not None:  # per-head norms see local heads: replicated gains
-            plan["self_attn.q_norm"] = ReplicateParallel(Shard(2))  # q/k are [B, S, local heads, d]
-            plan["self_attn.k_norm"] = ReplicateParallel(Shard(2))
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, block_plan(block, residual, sp))
+    for module in model.mtp or ():  # multi-token prediction (model/mtp.py): norms, projection, a block
+        norm = SequenceParallel() if sp else ReplicateParallel()
+        parallelize_module(module, mesh, {
+            "hnorm": norm, "enorm": norm, "norm": norm,
+            # [h; e] is 2h wide: each rank multiplies its slice of the features (a local cut of the
+            # replicated input, or the sequence gathered under SP) and the partial sums are reduced
+            # back into the residual layout, as o_proj/down_proj do
+            "eh_proj": RowwiseParallel(input_layouts=residual, output_layouts=residual),
+        })
+        parallelize_module(module.block, mesh, block_plan(module.block, residual, sp))
     return model
+
+
+def block_plan(block: nn.Module, residual, sp: bool) -> dict:
+    """The plan of one transformer block (see the module docstring)."""
+    plan = {
+        "input_layernorm": SequenceParallel() if sp else ReplicateParallel(),
+        "self_attn": PrepareModuleInput(input_layouts=(residual, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "post_attention_layernorm": SequenceParallel() if sp else ReplicateParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+    }
+    if isinstance(block.mlp, MoE):
+        # MoE layers are not split over tp: every tp rank runs the whole layer (its experts spread over
+        # ep ranks of the same tp coordinate) on the whole (gathered) sequence, so router, experts,
+        # loads and balancing are identical across tp; under SP the output is cut back to this rank's
+        # share of the sequence (a slice; its backward gathers the gradient).
+        for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            del plan[name]
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(residual,), use_local_output=True)
+    if block.self_attn.q_norm is not None:  # per-head norms see local heads: replicated gains
+        plan["self_attn.q_norm"] = ReplicateParallel(Shard(2))  # q/k are [B, S, local heads, d]
+        plan["self_attn.k_norm"] = ReplicateParallel(Shard(2))
+    return plan

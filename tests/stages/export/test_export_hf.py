@@ -65,18 +65,28 @@ def test_dense_export_matches_transformers_and_tokenizer_loads(tmp_path, trained
     ("qk_norm", dict(qk_norm=True)),
     ("mixtral", dict(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0))),
     ("qwen2_moe", dict(moe=MoEConfig(num_experts=4, top_k=2, shared_expert=True, every=2, ffn_dim=64))),
+    ("mtp", dict(mtp_depth=2)),  # the MTP modules go to the sidecar; the folder is the plain model's
 ])
 def test_architectures_match_transformers(tmp_path, kind, kw):
     cfg = tiny_cfg(vocab_size=256, **kw)
     sd = random_model_state(cfg)
     info = write_hf(sd, cfg, tmp_path, dtype="float32")
     expected = {"tied": "LlamaForCausalLM", "qk_norm": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM"}[kind]
+                "qwen2_moe": "Qwen2MoeForCausalLM", "mtp": "LlamaForCausalLM"}[kind]
     assert info["architecture"] == expected
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     ours = our_forward(sd, cfg)(tokens)  # inference routing: no capacity dropping
     theirs, _ = transformers_logits(tmp_path, tokens)
     assert (ours - theirs).abs().max() < 1e-4
+    if kind == "mtp":
+        from stages.export.hf import read_mtp_sidecar
+
+        assert info["mtp_files"] == ["mtp.safetensors", "mtp.json"]
+        assert not any("mtp" in k for k in read_safetensors(tmp_path))  # the index names the main shards only
+        depth, mtp = read_mtp_sidecar(tmp_path)
+        want = {k: v for k, v in sd.items() if k.startswith("mtp.")}
+        assert depth == 2 and mtp.keys() == want.keys() and "mtp.1.block.mlp.down_proj.weight" in mtp
+        assert all(torch.equal(mtp[k], want[k]) for k in want)
     if kind == "mixtral":
         names = read_safetensors(tmp_path)
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names  # Mixtral's on-disk names

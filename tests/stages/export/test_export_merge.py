@@ -74,8 +74,9 @@ def assert_same(a, b):
 def test_dcp_checkpoint_loads_model_only(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    cfg = tiny_cfg()
+    cfg = tiny_cfg(mtp_depth=1)  # the MTP modules' weights are model weights too (they go to the export's sidecar)
     sd = random_model_state(cfg)
+    assert "mtp.0.eh_proj.weight" in sd
     optim = {"state": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)} for k, v in sd.items()},
              "param_groups": [{"lr": 1e-3}]}
     dcp.save({"model": sd, "optim": optim, "step": torch.tensor(7)}, checkpoint_id=str(tmp_path / "step_000007"))
