@@ -23,7 +23,7 @@ SLICE = 400_000  # bytes of the standard library: the first ~30 files in sorted 
 
 def make_ctx(tmp_path, sources, out="data", **data):
     cfg = load_config("tiny")
-    cfg.data = DataConfig(sources=sources, **data)
+    cfg.data = DataConfig(sources=sources, **{"workers": 1, **data})  # in-process: no pool to start per test
     cfg.infra.workdir = str(tmp_path / "ws")
     logged = {"metrics": {}, "params": {}, "artifacts": []}
     ctx = StageContext(cfg, Workspace.from_config(cfg), tmp_path / out,
