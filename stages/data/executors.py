@@ -152,13 +152,14 @@ def _run_ray(cfg: LifecycleConfig, stages: list[PipeStage], logs: Path) -> None:
 
     started_here = not ray.is_initialized()
     if started_here:
-        # Workers import the stage's modules: they get this checkout's path (an editable install may point elsewhere).
-        env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}}
         if cfg.data.ray_address:
+            # Workers import the stage's modules: they get this checkout's path (an editable install may point
+            # elsewhere). A local cluster's workers inherit this process's environment instead.
+            env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}}
             ray.init(address=cfg.data.ray_address, runtime_env=env, log_to_driver=False)
         else:
-            ray.init(num_cpus=cfg.data.workers, include_dashboard=False, runtime_env=env, log_to_driver=False,
-                     configure_logging=False)
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")] if p)
+            ray.init(num_cpus=cfg.data.workers, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         for st in stages:
             ex = QuietRayExecutor(st.pipeline, tasks=st.tasks, workers=min(cfg.data.workers, st.tasks),
