@@ -84,3 +84,13 @@ def test_executor_settings_are_validated():
         DataConfig(sources=src, executor="slurm", slurm={"time_limit": "soon"})
     with pytest.raises(ValidationError, match="workers"):
         DataConfig(sources=src, workers=0)
+
+
+def test_executor_settings_leave_the_fingerprint_alone():
+    from stages.registry import STAGES
+
+    cfg = load_config("tiny")
+    base = STAGES["data"].section(cfg)
+    moved = load_config("tiny", ["data.executor=ray", "data.workers=8", "data.ray_address=ray://head:10001"])
+    assert STAGES["data"].section(moved) == base
+    assert STAGES["data"].section(load_config("tiny", ["data.task_mb=4"])) != base  # shards follow task_mb
