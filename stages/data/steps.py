@@ -25,7 +25,7 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 from infra.config.data import CleanConfig
 
 from .clean import normalize, quality_reason, scrub_secrets
-from .dedup import exact_key, normalized_hash
+from .dedup import normalized_hash
 from .split import hash_fraction
 
 SEP = "|"  # stat labels: "<kind>|<source>[|<reason>]"; source names are config labels without "|"
