@@ -39,10 +39,8 @@ class PipeStage:
     tasks: int
 
 
-# What every task imports: preloaded once by the forkserver, so each pool worker starts as a cheap fork.
-PRELOAD = ["stages.data.steps", "stages.data.dedup", "datatrove.pipeline.dedup.minhash",
-           "datatrove.pipeline.dedup.exact_dedup", "datatrove.pipeline.filters", "datatrove.pipeline.writers",
-           "datatrove.executor.local"]
+# Imported once by the forkserver: each pool worker then starts as a cheap fork (stages/data/preload.py).
+PRELOAD = ["stages.data.preload"]
 
 
 def _preload_forkserver() -> None:
