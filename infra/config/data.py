@@ -111,7 +111,7 @@ class DataConfig(Section):
     # the input by `task_mb` alone, so any executor or worker count gives the same output.
     executor: Literal["local", "slurm", "ray"] = Field(
         "local", description="local: `workers` processes on this machine; slurm: sbatch job arrays; ray: a Ray cluster")
-    workers: int = Field(2, ge=1, description="local/ray: tasks run at once (local: processes)")
+    workers: int = Field(1, ge=1, description="local/ray: tasks run at once (local: 1 = in this process, N = a pool)")
     task_mb: float = Field(1.0, gt=0, description="input bytes per task (each task writes one cleaned shard per split)")
     ray_address: str | None = Field(None, description="ray: the cluster to join (ray.init address); none = a local one")
     slurm: DataSlurmConfig = Field(default_factory=DataSlurmConfig)

@@ -56,6 +56,28 @@ class QuietLocalExecutor(LocalPipelineExecutor):
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
         return super()._run_for_rank(rank, local_rank + 1, node_rank)
 
+    def run(self):
+        """One worker: the tasks in this process, one after the other, without the process manager and the
+        executor.json (the whole pipeline, eval n-grams included, as JSON) that datatrove's run starts with."""
+        if self.workers != 1:
+            return super().run()
+        from copy import deepcopy
+
+        from datatrove.utils.stats import PipelineStats
+
+        self._launched = True
+        pipeline, stats = self.pipeline, []
+        try:
+            for rank in self.get_incomplete_ranks(range(self.local_rank_offset, self.local_rank_offset + self.local_tasks)):
+                self.pipeline = deepcopy(pipeline)  # each task starts from fresh steps, as datatrove's loop does
+                stats.append(self._run_for_rank(rank))
+        finally:
+            self.pipeline = pipeline
+        merged = sum(stats, start=PipelineStats())
+        with self.logging_dir.open("stats.json", "wt") as f:
+            merged.save_to_disk(f)
+        return merged
+
 
 @contextmanager
 def quiet_datatrove():
