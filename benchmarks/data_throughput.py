@@ -3,8 +3,8 @@
 Prints one JSON line per figure, each against a baseline measured in the same run:
   tokenize_pack : tokens/s of run_pack (datasets.map over num_proc workers + packing into shards) vs a plain
                   single-threaded `Tokenizer.encode_batch` loop over the same documents (no packing);
-  dedup         : documents/s of our numpy MinHash + LSH vs datasketch's MinHash + MinHashLSH, same shingles;
-and a last line with every headline key: tokens_per_s, baseline_tokens_per_s, ratio, dedup_docs_per_s.
+and a last line with every headline key: tokens_per_s, baseline_tokens_per_s, ratio, clean_docs_per_s (the
+cleaning pipeline, datatrove; how it scales with corpus size and workers: benchmarks/data_scale.py).
 
     python -m benchmarks.data_throughput [--max-bytes 6000000] [--num-proc 2]
 """
@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> dict:
     from infra.workspace import Workspace
     from stages.base import StageContext
     from stages.data import run_clean, run_pack
-    from stages.data.dedup import MinHasher, near_duplicates, shingle_hashes
     from stages.data.pipeline import iter_split_texts
     from stages.tokenizer import run as run_tokenizer
 
@@ -59,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         t = time.perf_counter()
         clean = run_clean(StageContext(cfg, ws, tmp / "data"))
         clean_s = time.perf_counter() - t
+        clean_docs_per_s = round(clean["documents_in"] / clean_s, 1)
         t = time.perf_counter()
         run_tokenizer(StageContext(cfg, ws, tmp / "tok", inputs={"data": tmp / "data"}))
         tok_s = time.perf_counter() - t
@@ -106,30 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average_1m": round(os.getloadavg()[0], 2)}
         _emit(tp)
 
-        # Dedup: shingles -> signatures -> LSH; the datasketch baseline gets the same 32-bit shingles as bytes.
-        dd_best = float("inf")
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            sh = [shingle_hashes(x, cfg.data.dedup.shingle) for x in texts]
-            near_duplicates(MinHasher(cfg.data.dedup.num_perm).signatures(sh), cfg.data.dedup.threshold)
-            dd_best = min(dd_best, time.perf_counter() - t)
-        from datasketch import MinHash, MinHashLSH
-
-        t = time.perf_counter()
-        sh = [shingle_hashes(x, cfg.data.dedup.shingle) for x in texts]
-        lsh = MinHashLSH(threshold=cfg.data.dedup.threshold, num_perm=cfg.data.dedup.num_perm)
-        for i, s in enumerate(sh):
-            m = MinHash(num_perm=cfg.data.dedup.num_perm)
-            m.update_batch([int(v).to_bytes(4, "little") for v in s])
-            lsh.query(m)
-            lsh.insert(str(i), m)
-        ds_s = time.perf_counter() - t
-        dd = {"figure": "dedup", "documents": len(texts), "seconds": round(dd_best, 3),
-              "dedup_docs_per_s": round(len(texts) / dd_best, 1), "baseline": "datasketch MinHash + MinHashLSH",
-              "baseline_docs_per_s": round(len(texts) / ds_s, 1), "ratio": round(ds_s / dd_best, 3)}
-        _emit(dd)
     out = {"figure": "summary", "tokens_per_s": tp["tokens_per_s"], "baseline_tokens_per_s": tp["baseline_tokens_per_s"],
-           "ratio": tp["ratio"], "dedup_docs_per_s": dd["dedup_docs_per_s"], "dedup_ratio_vs_datasketch": dd["ratio"]}
+           "ratio": tp["ratio"], "clean_docs_per_s": clean_docs_per_s}
     _emit(out)
     return out
 

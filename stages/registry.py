@@ -37,7 +37,12 @@ def _data_section(cfg: LifecycleConfig) -> dict:
     from stages.evaluate.decontam import register as register_eval_sets
 
     register_eval_sets()
-    return {"data": _dump(cfg.data), "eval_texts": eval_texts_digest(cfg)}
+    data = _dump(cfg.data)
+    # Where and how widely the pipeline runs does not change what it writes (tasks are cut by data.task_mb):
+    # switching executors or worker counts is a cache hit.
+    for key in ("executor", "workers", "ray_address", "slurm"):
+        data.pop(key, None)
+    return {"data": data, "eval_texts": eval_texts_digest(cfg)}
 
 
 STAGES: dict[str, StageSpec] = {

@@ -10,8 +10,6 @@ from .decontaminate import (
     registered_eval_providers,
     unregister_eval_texts,
 )
-from .pack import run_pack
-from .pipeline import run_clean
 from .sources import DataSourceError
 
 __all__ = [
@@ -24,3 +22,17 @@ __all__ = [
     "run_pack",
     "unregister_eval_texts",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: the stage's worker processes import stages.data.* and must not pay for torch (pack) or datatrove
+    # (pipeline) unless they use them.
+    if name == "run_clean":
+        from .pipeline import run_clean
+
+        return run_clean
+    if name == "run_pack":
+        from .pack import run_pack
+
+        return run_pack
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

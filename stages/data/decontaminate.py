@@ -113,15 +113,27 @@ class ContaminationIndex:
             else:
                 self.too_short += 1
 
+    @classmethod
+    def from_grams(cls, grams: list[str], lengths: list[int]) -> "ContaminationIndex":
+        """An index rebuilt from another's grams and lengths (what a pipeline step carries to its workers)."""
+        index = cls([], 1)
+        index.grams, index.lengths = set(grams), set(lengths)
+        return index
+
     def __len__(self) -> int:
         return len(self.grams)
 
     def matches(self, text: str) -> str | None:
         if not self.grams:
             return None
+        if not hasattr(self, "_first"):  # first words of the grams: only there can a gram start
+            self._first = {g.split(" ", 1)[0] for g in self.grams}
         words = _WORD.findall(text.casefold())
+        starts = [i for i, w in enumerate(words) if w in self._first]
         for k in sorted(self.lengths, reverse=True):
-            for i in range(len(words) - k + 1):
+            for i in starts:
+                if i + k > len(words):
+                    break
                 g = " ".join(words[i:i + k])
                 if g in self.grams:
                     return g

@@ -1,89 +1,59 @@
-"""Exact and near-duplicate detection.
+"""Exact and near-duplicate detection, on datatrove's dedup stages.
 
-Exact: a hash of the text after light normalisation (case-folded, whitespace collapsed).
-Near: MinHash signatures of word n-gram shingles (Broder 1997) bucketed by locality-sensitive hashing in
-b bands of r rows (Leskovec et al., Mining of Massive Datasets, ch. 3), with b and r chosen to minimise the
-false positive + false negative mass around the Jaccard threshold, as datasketch does. The signatures are
-computed for many documents at once in numpy (our benchmark measures it against datasketch's MinHash), and a
-candidate pair is confirmed only when the signatures' estimated Jaccard reaches the threshold.
+Exact: a hash of the text after light normalisation (case-folded, whitespace collapsed), found across all
+shards by datatrove's ExactDedupSignature and ExactFindDedups. Near: datatrove's MinHash stages
+(MinhashDedupSignature, MinhashDedupBuckets, MinhashDedupFilter) over word n-gram shingles, with the b bands of
+r rows chosen to minimise the false positive + false negative mass around the Jaccard threshold, as datasketch
+does (Leskovec et al., Mining of Massive Datasets, ch. 3). datatrove confirms no candidate pair against the
+signatures, so the fit weighs both errors evenly.
+
+The clustering stage is ours (`FirstKeptCluster`): datatrove's MinhashDedupCluster keeps the root of a union
+by size, which can be any document of a cluster; this one keeps the first in corpus order (shard, then
+position), as the stage always did, and it merges in the exact duplicates so the two dedups agree: of an
+exact group inside a near-duplicate cluster, the one document kept by both is the one kept.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import zlib
-from dataclasses import dataclass
-from typing import Callable
+import struct
 
 import numpy as np
+from datatrove.io import get_datafolder
+from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.typeshelper import ExtensionHelperSD
 
-_WORD = re.compile(r"\w+")
 _SPACE = re.compile(r"\s+")
-_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def exact_key(doc) -> bytes:
+    """What exact dedup hashes: the text case-folded with whitespace collapsed, as UTF-8."""
+    return _SPACE.sub(" ", doc.text.casefold()).strip().encode("utf-8", "surrogatepass")
+
+
+# ExactDedupSignature picks its hash function's input type from this annotation (a string under postponed
+# evaluation of annotations, which it would take for str); xxhash takes bytes only.
+exact_key.__annotations__["return"] = bytes
+
+
+def shard_priority(doc) -> int:
+    """Exact dedup keeps the highest priority, then the lowest position in a shard, in any shard: earlier shards
+    get higher priorities so the first copy in corpus order stays (the first 65,534 shards apart; beyond, ties)."""
+    return max(1, 65535 - doc.metadata.get("shard", 0))
+
+
+def xxh64_text(text: str) -> int:
+    """MinHash shingle hash: datatrove's xxhash64 hands str to an xxhash that takes bytes only."""
+    import xxhash
+
+    return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogatepass"))
 
 
 def normalized_hash(text: str) -> str:
     """The document's identity for exact dedup and the train/validation split."""
     canon = _SPACE.sub(" ", text.casefold()).strip()
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def shingle_hashes(text: str, n: int) -> np.ndarray:
-    """32-bit hashes of the distinct word n-grams of a document (fewer than n words: the whole text, once)."""
-    words = _WORD.findall(text.casefold())
-    if not words:
-        return np.zeros(0, dtype=np.uint64)
-    wh = np.fromiter((zlib.crc32(w.encode("utf-8", "surrogatepass")) for w in words), dtype=np.uint64, count=len(words))
-    if len(words) < n:
-        n = len(words)
-    # Polynomial rolling combination of the word hashes (wraps mod 2^64), then folded to 32 bits.
-    h = np.zeros(len(words) - n + 1, dtype=np.uint64)
-    base = np.uint64(1_000_003)
-    with np.errstate(over="ignore"):
-        for k in range(n):
-            h = h * base + wh[k: len(words) - n + 1 + k]
-    h = (h ^ (h >> np.uint64(32))) & _MASK32
-    return np.unique(h)
-
-
-class MinHasher:
-    """num_perm hash functions h_i(x) = ((a_i * x + b_i) mod 2^64) >> 32 over 32-bit shingles: Dietzfelbinger's
-    multiply-add-shift family (2-independent for 32-bit keys), which uint64 arithmetic computes exactly by
-    wrapping. The signature is the minimum of each h_i over a document's shingles (Broder 1997)."""
-
-    SHIFT = np.uint64(32)
-
-    def __init__(self, num_perm: int, seed: int = 1):
-        rng = np.random.default_rng(seed)
-        self.num_perm = num_perm
-        self.a = rng.integers(0, np.iinfo(np.uint64).max, size=num_perm, dtype=np.uint64, endpoint=True)
-        self.b = rng.integers(0, np.iinfo(np.uint64).max, size=num_perm, dtype=np.uint64, endpoint=True)
-
-    def signatures(self, shingles: list[np.ndarray], chunk_elems: int = 1 << 17) -> np.ndarray:
-        """[documents, num_perm] uint64 (values < 2^32); documents with no shingles get all-max signatures."""
-        out = np.full((len(shingles), self.num_perm), np.iinfo(np.uint64).max, dtype=np.uint64)
-        i = 0
-        while i < len(shingles):
-            # A group of documents whose shingles x num_perm fit in one chunk: ~1 MB chunks stay in cache
-            # (measured 1.6x faster than 32 MB chunks on the tiny corpus).
-            j, total = i, 0
-            while j < len(shingles) and (j == i or total + len(shingles[j]) * self.num_perm <= chunk_elems):
-                total += len(shingles[j]) * self.num_perm
-                j += 1
-            group = [s for s in shingles[i:j]]
-            lengths = np.array([len(s) for s in group])
-            nonempty = np.nonzero(lengths)[0]
-            if nonempty.size:
-                flat = np.concatenate([group[k] for k in nonempty])
-                with np.errstate(over="ignore"):
-                    hv = np.multiply(flat[:, None], self.a[None, :])  # in place from here: no extra temporaries
-                    hv += self.b[None, :]
-                    hv >>= self.SHIFT
-                starts = np.concatenate([[0], np.cumsum(lengths[nonempty])[:-1]])
-                out[i + nonempty] = np.minimum.reduceat(hv, starts, axis=0)
-            i = j
-        return out
 
 
 def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5, fn_weight: float = 0.5) -> tuple[int, int]:
@@ -100,56 +70,73 @@ def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5, fn_weigh
     return best
 
 
-@dataclass
-class NearDupResult:
-    keep: np.ndarray  # bool per document
-    duplicate_of: np.ndarray  # index of the kept document it matched, -1 if kept
-    candidate_pairs: int
-    bands: int
-    rows: int
+def _read_u32(folder, name: str, fmt: str = "<u4") -> np.ndarray:
+    with folder.open(name, "rb") as f:
+        return np.frombuffer(f.read(), dtype=fmt)
 
 
-def near_duplicates(signatures: np.ndarray, threshold: float,
-                    advance: Callable[[int], object] | None = None) -> NearDupResult:
-    """Greedy in document order: a document is dropped when it matches (estimated Jaccard >= threshold) an
-    earlier kept document sharing one of its LSH buckets; so of every near-duplicate cluster the first stays.
-    `advance(1)` is called as each document is taken up (a progress bar's update)."""
-    n, num_perm = signatures.shape
-    # Candidates are verified against the signatures below, so a false positive costs one comparison while a
-    # false negative loses a duplicate: weigh misses 4:1 (at 0.8 and 128 permutations: 12 bands of 10 rows).
-    bands, rows = lsh_params(threshold, num_perm, fp_weight=0.2, fn_weight=0.8)
-    keep = np.ones(n, dtype=bool)
-    dup_of = np.full(n, -1, dtype=np.int64)
-    tables: list[dict[bytes, list[int]]] = [dict() for _ in range(bands)]
-    band_keys = [signatures[:, k * rows:(k + 1) * rows] for k in range(bands)]
-    candidates = 0
-    for i in range(n):
-        if advance is not None:
-            advance(1)
-        keys = [band_keys[k][i].tobytes() for k in range(bands)]
-        seen: set[int] = set()
-        for k, key in enumerate(keys):
-            seen.update(tables[k].get(key, ()))
-        match = -1
-        if seen:
-            cand = np.fromiter(sorted(seen), dtype=np.int64)
-            candidates += cand.size
-            est = (signatures[cand] == signatures[i]).mean(axis=1)
-            hit = np.nonzero(est >= threshold)[0]
-            if hit.size:
-                match = int(cand[hit[0]])
-        if match >= 0:
-            keep[i] = False
-            dup_of[i] = match
-            continue
-        for k, key in enumerate(keys):
-            tables[k].setdefault(key, []).append(i)
-    return NearDupResult(keep, dup_of, candidates, bands, rows)
+class FirstKeptCluster(PipelineStep):
+    """Stage 3 of the dedup (one task): near-duplicate pairs from MinhashDedupBuckets' `.dups` files and exact
+    duplicates from ExactFindDedups become clusters; every document but the first of each is listed in
+    `{shard:06d}.remove` (what datatrove's MinhashDedupFilter reads), the exact ones also in `.exact`."""
 
+    type = "🫂 - DEDUP"
+    name = "🎯 clusters (first kept)"
 
-def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Exact Jaccard similarity of two shingle sets (for tests and verification)."""
-    if a.size == 0 and b.size == 0:
-        return 1.0
-    inter = np.intersect1d(a, b, assume_unique=True).size
-    return inter / (a.size + b.size - inter)
+    def __init__(self, pairs_folder: str | None, exact_folder: str | None, output_folder: str):
+        super().__init__()
+        self.pairs_folder, self.exact_folder, self.output_folder = pairs_folder, exact_folder, output_folder
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+        def find(x):
+            root = x
+            while parent.get(root, root) != root:
+                root = parent[root]
+            while x != root:  # path compression
+                parent[x], x = root, parent[x]
+            return root
+
+        with self.track_time():
+            if self.pairs_folder:
+                folder = get_datafolder(self.pairs_folder)
+                for name in folder.list_files(glob_pattern="*.dups"):
+                    pairs = _read_u32(folder, name).reshape(-1, 4)
+                    for f1, d1, f2, d2 in pairs.tolist():
+                        a, b = find((f1, d1)), find((f2, d2))
+                        if a != b:
+                            lo, hi = min(a, b), max(a, b)
+                            parent[hi] = lo  # the root is the cluster's first document
+                            parent.setdefault(lo, lo)
+            exact: set[tuple[int, int]] = set()
+            if self.exact_folder:
+                folder = get_datafolder(self.exact_folder)
+                names = [n for n in folder.list_files() if n.endswith(ExtensionHelperSD.stage_2_duplicates)]
+                for name in names:
+                    shard = int(name.rsplit("/", 1)[-1].removesuffix(ExtensionHelperSD.stage_2_duplicates))
+                    exact.update((shard, int(d)) for d in _read_u32(folder, name).tolist())
+            # A cluster keeps its first document that exact dedup keeps.
+            keeper: dict[tuple[int, int], tuple[int, int]] = {}
+            for node in sorted(parent):
+                root = find(node)
+                if node not in exact and root not in keeper:
+                    keeper[root] = node
+            remove: dict[int, set[int]] = {}
+            for node in parent:
+                if node not in exact and keeper.get(find(node)) != node:
+                    remove.setdefault(node[0], set()).add(node[1])
+                    self.stat_update("near_duplicates")
+            for shard, doc in exact:
+                remove.setdefault(shard, set()).add(doc)
+                self.stat_update("exact_duplicates")
+            out = get_datafolder(self.output_folder)
+            for shard, docs in remove.items():
+                with out.open(f"{shard:06d}.remove", "wb") as f:
+                    f.write(struct.pack(f"<{len(docs)}I", *sorted(docs)))
+                ex = sorted(d for s, d in exact if s == shard)
+                if ex:
+                    with out.open(f"{shard:06d}.exact", "wb") as f:
+                        f.write(struct.pack(f"<{len(ex)}I", *ex))
+        return
+        yield

@@ -2,7 +2,10 @@
 token shards (trainer/shards.py): EOS after every document, the stream cut into rows of seq_len + 1,
 shards of about `data.shard_mb`, document starts kept in the index.
 
-Tokenization runs through `datasets.map(batched=True, num_proc=data.num_proc)`. Mixture weights are applied
+Tokenization runs through `datasets.map(batched=True, num_proc=data.num_proc)` shard by shard: the cleaned
+parquet shards become an Arrow table on disk, the workers write their token ids to Arrow cache files, and
+packing reads the ids zero-copy from those memory-mapped files, a document at a time; only per-document
+figures (id, source, length) are held in memory, never the corpus or its tokens. Mixture weights are applied
 here, on tokens: with T_s the training tokens of source s and W the sum of weights, source s contributes
 w_s / W * sum(T) tokens, by taking whole passes over its documents and then documents in a seeded hash order
 until the remainder is covered (a weight above its natural share repeats documents, one below drops some).
@@ -124,6 +127,17 @@ class DocTokens:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def token_counts(self, vocab: int) -> np.ndarray:
+        """Occurrences of every token id, one Arrow chunk at a time (the memory-mapped table is never copied whole)."""
+        bc = np.zeros(vocab, dtype=np.int64)
+        for c, vals in enumerate(self.values):
+            in_chunk = self.chunk == c
+            if in_chunk.any():
+                lo = int(self.starts[in_chunk].min())
+                hi = int((self.starts[in_chunk] + self.lengths[in_chunk]).max())
+                bc += np.bincount(np.asarray(vals[lo:hi], dtype=np.int64), minlength=vocab)[:vocab]
+        return bc
 
     def __getitem__(self, i: int) -> np.ndarray:
         s = self.starts[i]
@@ -270,8 +284,7 @@ def run_pack(ctx: StageContext) -> dict[str, Any]:
                 summary["val_bytes_per_token"] = round(float(n_bytes.sum() / max(1, lengths.sum())), 4)
             if split == "train":
                 # Top tokens over the distinct training documents (before mixture repeats).
-                flat = np.concatenate([docs[i] for i in range(len(docs))])
-                bc = np.bincount(flat.astype(np.int64), minlength=vocab)
+                bc = docs.token_counts(vocab)
                 top = np.argsort(-bc)[:20]
                 card.table("top_tokens", "Most frequent tokens (train)", [
                     {"id": int(t), "token": repr(tok.decode([int(t)])), "count": int(bc[t]), "share": float(bc[t] / max(1, bc.sum()))}

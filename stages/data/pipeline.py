@@ -1,159 +1,282 @@
-"""`run_clean`: sources -> cleaned, deduplicated, decontaminated documents split into train/ and validation
+"""`run_clean`: sources -> cleaned, deduplicated, decontaminated documents split into train/ and validation/
 parquet shards, with a data card that accounts for every document and byte dropped on the way.
 
-Steps, in order: read (unreadable/non-UTF-8/empty/oversized files are counted drops), normalise, quality
-rules, secrets scrubbing, exact dedup, near dedup, decontamination, split. Mixture weights are not applied
-here: every kept document is written once, and `run_pack` samples documents so that each source's share of
-training tokens follows its weight (tokens are only known after the tokenizer exists).
+The work is a datatrove pipeline (steps.py) in four stages, run by `data.executor` (executors.py):
+
+1. filter (one task per ~`data.task_mb` of input): read the task's files, normalise, our code rules,
+   datatrove's GopherRepetitionFilter (and its C4/Gopher-quality/FineWeb filters when turned on), secrets
+   scrubbing, decontamination; the survivors go to a scratch shard, and their MinHash and exact-hash
+   signatures to datatrove's signature files.
+2. buckets (one task per LSH band): datatrove's MinhashDedupBuckets finds the candidate pairs across shards.
+3. clusters (one task): datatrove's ExactFindDedups, then our FirstKeptCluster (dedup.py) decides what goes.
+4. write (one task per shard): datatrove's MinhashDedupFilter drops the duplicates, the train/validation tag
+   by document hash, datatrove's ParquetWriter writes `{split}/part-{shard}.parquet`.
+
+No stage holds more than a task's documents (stage 3 holds the duplicate pairs). Mixture weights are not
+applied here: every kept document is written once, and `run_pack` samples documents so that each source's
+share of training tokens follows its weight (tokens are only known after the tokenizer exists).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
+import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from infra.config import LifecycleConfig
 from infra.config.data import DataConfig
-from infra.progress import progress_bar
 
 from ..base import StageContext
-from .card import DataCard, quiet_datasets
-from .clean import normalize, quality_reason, scrub_secrets
+from .card import DataCard
 from .decontaminate import ContaminationIndex, eval_texts_by_source
-from .dedup import MinHasher, near_duplicates, normalized_hash, shingle_hashes
-from .sources import DataSourceError, SourceReader, validate_source
-from .split import assign_validation
+from .dedup import FirstKeptCluster, exact_key, lsh_params, shard_priority, xxh64_text
+from .executors import PipeStage, run_stages
+from .sources import DataSourceError, plan_tasks, validate_source
+from .steps import (SEP, WORDS, AssignId, CodeRules, Decontaminate, DedupFilter, Measured, Normalize, ReadPlanned,
+                    RunAll, ScrubSecrets, ShardReader, Signatures, SplitTag, merged_counts, output_row)
 
 COLUMNS = ("id", "source", "origin", "text")
-SIGNATURE_SLICE = 1024  # documents per MinHash call: the near-dedup bar moves once per slice
-
-
-@dataclass
-class Kept:
-    source: str
-    origin: str
-    text: str
-    id: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.text.encode("utf-8", "surrogatepass"))
-
-
-@dataclass
-class StepLog:
-    """Documents and bytes in and out of one step, with drops per reason (and per source)."""
-
-    name: str
-    docs_in: int = 0
-    bytes_in: int = 0
-    docs_out: int = 0
-    bytes_out: int = 0
-    drops: Counter = field(default_factory=Counter)
-    per_source_out: Counter = field(default_factory=Counter)
-    source_drops: Counter = field(default_factory=Counter)  # (source, reason) -> documents
-    examples: dict[str, list[str]] = field(default_factory=dict)
-
-    def note(self, reason: str, origin: str, source: str = "") -> None:
-        self.drops[reason] += 1
-        self.source_drops[(source, reason)] += 1
-        ex = self.examples.setdefault(reason, [])
-        if len(ex) < 5:
-            ex.append(origin)
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "step": self.name, "docs_in": self.docs_in, "bytes_in": self.bytes_in, "docs_out": self.docs_out,
-            "bytes_out": self.bytes_out, "dropped": self.docs_in - self.docs_out,
-            "drops": ", ".join(f"{k}={v}" for k, v in sorted(self.drops.items())) or "-",
-        }
-
-
-def _run_step(name: str, docs: list[Kept], fn, progress: bool = True) -> tuple[list[Kept], StepLog]:
-    """Apply fn(doc) -> (doc or None, drop reason) to every document and log what it did; a progress
-    bar named after the step counts documents (`progress=False` for a step too cheap to show)."""
-    log = StepLog(name, docs_in=len(docs), bytes_in=sum(d.nbytes for d in docs))
-    out = []
-    with progress_bar(len(docs), f"data {name}", "doc", enabled=progress) as bar:
-        for d in docs:
-            new, reason = fn(d)
-            if new is None:
-                log.note(reason, d.origin, d.source)
-            else:
-                out.append(new)
-                log.per_source_out[new.source] += 1
-            bar.update()
-    log.docs_out, log.bytes_out = len(out), sum(d.nbytes for d in out)
-    return out, log
+# The card's steps in pipeline order: (name, stats step name); dedup is one datatrove filter, shown as two steps.
+STEP_ORDER = ["read", "normalize", "quality", "gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality",
+              "scrub_secrets", "decontaminate", "exact_dedup", "near_dedup"]
 
 
 def validate_data_config(cfg: DataConfig) -> None:
     for src in cfg.sources:
         validate_source(src)
+    if cfg.executor == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise DataSourceError("data.executor=ray needs the `ray` package (pip install 'eightfold[ray]')") from None
 
 
-def read_sources(cfg: DataConfig, cache_dir: Path | None = None) -> tuple[list[Kept], StepLog, dict[str, dict]]:
-    """Read every source; a source with no readable document is an error naming it and what was dropped."""
-    docs: list[Kept] = []
-    log = StepLog("read")
-    per_source: dict[str, dict] = {}
-    # A document longer than max_chars is dropped anyway; files beyond 4 bytes/char of that are not even read.
-    max_doc_bytes = 4 * cfg.clean.max_chars
-    for src in cfg.sources:
-        reader = SourceReader(src, max_doc_bytes, cache_dir)
-        for doc in reader:
-            docs.append(Kept(doc.source, doc.origin, doc.text))
-        st = reader.stats
-        per_source[src.name] = {"documents_read": st.documents, "bytes_read": st.bytes, "unreadable": dict(st.drops),
-                                "weight": src.weight, "kind": src.kind}
-        log.docs_in += st.documents + sum(st.drops.values())
-        log.bytes_in += st.bytes + sum(st.drop_bytes.values())
-        log.drops.update(st.drops)
-        for reason, ex in st.examples.items():
-            log.examples.setdefault(reason, []).extend(ex[: 5 - len(log.examples.get(reason, []))])
-        log.per_source_out[src.name] = st.documents
-        if st.documents == 0:
-            what = f"; dropped while reading: {dict(st.drops)} e.g. {st.examples}" if st.drops else ""
-            raise DataSourceError(f"source {src.name!r} yielded no documents{what}")
-    log.docs_out, log.bytes_out = len(docs), sum(d.nbytes for d in docs)
-    return docs, log, per_source
+def _minhash_config(cfg: DataConfig):
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
+    from datatrove.utils.text import TextNormConfig
+
+    bands, rows = lsh_params(cfg.dedup.threshold, cfg.dedup.num_perm)
+    # Shingles of lower-cased word-character runs (steps.RegexWords), as the stage always had: the tokenizer
+    # already drops punctuation and whitespace, and datatrove's per-character diacritics and number rewriting
+    # would double the signature pass for no code-specific gain.
+    norm = TextNormConfig(lowercase=True, norm_whitespace=False, remove_punctuation=False,
+                          norm_unicode_diacritics=False, norm_numbers=False)
+    return MinhashConfig(n_grams=cfg.dedup.shingle, num_buckets=bands, hashes_per_bucket=rows, seed=1,
+                         norm_config=norm)
 
 
-def _write_split(docs: list[Kept], out: Path, shard_bytes: int) -> list[str]:
-    """Parquet shards of about shard_bytes of text each, written with pyarrow (what datasets' to_parquet
-    calls underneath): a datasets.Dataset built only to be written would be fingerprinted, and hashing its
-    table through dill disassembles bytecode to stdout, which Prefect's log_prints turns into log lines."""
+def repetition_filter(clean):
+    """datatrove's GopherRepetitionFilter at the stage's thresholds: the duplicate-line share and the top 2/3/4-gram
+    shares. Its paragraph and duplicate n-gram rules are off: the stage never had them, and code repeats by design."""
+    from datatrove.pipeline.filters import GopherRepetitionFilter
+
+    return GopherRepetitionFilter(dup_line_frac=clean.max_duplicate_line_fraction, dup_para_frac=None,
+                                  dup_line_char_frac=None, dup_para_char_frac=None,
+                                  top_n_grams=tuple(sorted(clean.top_ngram_max_fraction.items())), dup_n_grams=(),
+                                  language=WORDS)
+
+
+def build_stages(cfg: LifecycleConfig, plan_dir: Path, scratch: Path, logs: Path, out_dir: Path,
+                 contamination: ContaminationIndex, n_tasks: int, cache_dir: Path) -> list[PipeStage]:
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupSignature, ExactFindDedups
+    from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupFilter, MinhashDedupSignature
+    from datatrove.pipeline.filters import C4QualityFilter, FineWebQualityFilter, GopherQualityFilter
+    from datatrove.pipeline.writers import JsonlWriter, ParquetWriter
+
+    d, cc = cfg.data, cfg.data.clean
+    L = str(logs / "filter")  # where the filter stage's steps leave examples
+    filters: list = [
+        ReadPlanned([s.model_dump() for s in d.sources], str(plan_dir), 4 * cc.max_chars, str(cache_dir), L),
+        Normalize(cc.normalization, L),
+        CodeRules(cc.model_dump(), L),
+        Measured(repetition_filter(cc), "gopher_repetition", L),
+    ]
+    if cc.gopher_quality:
+        filters.append(Measured(GopherQualityFilter(language=WORDS), "gopher_quality", L))
+    if cc.c4_quality:
+        filters.append(Measured(C4QualityFilter(language=WORDS), "c4_quality", L))
+    if cc.fineweb_quality:
+        filters.append(Measured(FineWebQualityFilter(language=WORDS), "fineweb_quality", L))
+    if cc.scrub_secrets:
+        filters.append(ScrubSecrets(L))
+    if len(contamination):
+        filters.append(Decontaminate(sorted(contamination.grams), sorted(contamination.lengths), L))
+    filters.append(AssignId())
+    filters.append(JsonlWriter(str(scratch / "filtered"), output_filename="${rank}.jsonl", compression=None,
+                               adapter=output_row))
+    mh = _minhash_config(d) if d.dedup.near else None
+    ex_cfg = ExactDedupConfig(content_getter=exact_key, document_priority=shard_priority) if d.dedup.exact else None
+    signature = None
+    if mh:
+        signature = MinhashDedupSignature(str(scratch / "minhash_sigs"), mh, language=WORDS)
+        signature._hash_func = xxh64_text
+    filters.append(Signatures(signature, ExactDedupSignature(str(scratch / "exact_sigs"), ex_cfg) if ex_cfg else None))
+    stages = [PipeStage("filter", filters, n_tasks)]
+    if mh or ex_cfg:
+        if mh:
+            stages.append(PipeStage("buckets", [MinhashDedupBuckets(str(scratch / "minhash_sigs"),
+                                                                    str(scratch / "minhash_pairs"), config=mh)],
+                                    mh.num_buckets))
+        cluster: list = []
+        if ex_cfg:
+            cluster.append(ExactFindDedups(str(scratch / "exact_sigs"), str(scratch / "exact_dups"), ex_cfg))
+        cluster.append(FirstKeptCluster(str(scratch / "minhash_pairs") if mh else None,
+                                        str(scratch / "exact_dups") if ex_cfg else None, str(scratch / "remove")))
+        stages.append(PipeStage("clusters", [RunAll(cluster)], 1))
+    W = str(logs / "write")
+    write: list = [ShardReader(str(scratch / "filtered"))]
+    if mh or ex_cfg:
+        write.append(DedupFilter(MinhashDedupFilter(str(scratch / "remove")), str(scratch / "remove"), W))
+    write += [SplitTag(d.val_fraction, W),
+              ParquetWriter(str(out_dir), output_filename="${split}/part-${rank}.parquet", adapter=output_row,
+                            max_file_size=-1, schema=_schema(), use_content_defined_chunking=False,
+                            write_page_index=False)]
+    stages.append(PipeStage("write", write, n_tasks))
+    return stages
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([(c, pa.string()) for c in COLUMNS])
+
+
+def _step_counts(stats: dict[str, list[list[dict]]]) -> dict[str, Counter]:
+    """{step name: summed stat totals} over every task of every stage, for our accounted steps."""
+    by_step: dict[str, list[dict]] = {}
+    for tasks in stats.values():
+        for task in tasks:
+            for st in task:
+                name = st["name"].split(": ", 1)[-1]
+                by_step.setdefault(name, []).append(st["stats"])
+    return {name: merged_counts(v) for name, v in by_step.items()}
+
+
+def _examples(logs: Path) -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {}
+    for f in sorted(logs.glob("*/examples/*/*.json")):
+        for reason, ex in json.loads(f.read_text()).items():
+            have = out.setdefault(f.parent.name, {}).setdefault(reason, [])
+            have.extend(ex[: 5 - len(have)])
+    return out
+
+
+class StepRow:
+    """One card row rebuilt from a step's counts: totals and per-source figures."""
+
+    def __init__(self, name: str, counts: Counter, only_reasons: set[str] | None = None,
+                 docs_in: Counter | None = None, bytes_in: Counter | None = None):
+        self.name = name
+        self.drops: Counter = Counter()
+        self.drop_bytes: Counter = Counter()
+        self.source_drops: Counter = Counter()  # (source, reason) -> documents
+        for label, v in counts.items():
+            kind, _, rest = label.partition(SEP)
+            if kind in ("drop", "drop_bytes"):
+                src, _, reason = rest.partition(SEP)
+                if only_reasons is not None and reason not in only_reasons:
+                    continue
+                if kind == "drop":
+                    self.drops[reason] += v
+                    self.source_drops[(src, reason)] += v
+                else:
+                    self.drop_bytes[reason] += v
+        self.in_by_source = docs_in if docs_in is not None else _by_source(counts, "in")
+        self.bytes_in_by_source = bytes_in if bytes_in is not None else _by_source(counts, "in_bytes")
+        self.out_by_source = Counter(self.in_by_source)
+        for (src, _), v in self.source_drops.items():
+            self.out_by_source[src] -= v
+        has_out = any(label.startswith(f"out{SEP}") for label in counts) and only_reasons is None
+        self.bytes_out = sum(_by_source(counts, "out_bytes").values()) if has_out else \
+            sum(self.bytes_in_by_source.values()) - sum(self.drop_bytes.values())
+
+    @property
+    def docs_in(self) -> int:
+        return sum(self.in_by_source.values())
+
+    @property
+    def docs_out(self) -> int:
+        return sum(self.out_by_source.values())
+
+    def row(self) -> dict[str, Any]:
+        return {"step": self.name, "docs_in": self.docs_in, "bytes_in": sum(self.bytes_in_by_source.values()),
+                "docs_out": self.docs_out, "bytes_out": self.bytes_out, "dropped": self.docs_in - self.docs_out,
+                "drops": ", ".join(f"{k}={v}" for k, v in sorted(self.drops.items())) or "-"}
+
+
+def _by_source(counts: Counter, kind: str) -> Counter:
+    out: Counter = Counter()
+    for label, v in counts.items():
+        k, _, src = label.partition(SEP)
+        if k == kind:
+            out[src] += v
+    return out
+
+
+def _fix_split(out_dir: Path, logs: Path, n_tasks: int) -> dict[str, int]:
+    """split.assign_validation's two corrections for tiny corpora, from the write stage's per-shard extremes:
+    a source with every document in validation gives its highest-fraction one to train; no validation document
+    at all: the lowest-fraction document of a source with two or more goes to validation. Only the shards
+    holding a moved document are rewritten. Returns the documents per split after the corrections."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if out.exists():  # leftovers of an interrupted attempt must not join this split
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    files, start, size = [], 0, 0
-    bounds = []
-    for i, d in enumerate(docs):
-        size += d.nbytes
-        if size >= shard_bytes:
-            bounds.append((start, i + 1))
-            start, size = i + 1, 0
-    if start < len(docs) or not bounds:
-        bounds.append((start, len(docs)))
-    for k, (a, b) in enumerate(bounds):
-        part = docs[a:b]
-        table = pa.table({c: pa.array([getattr(d, c) for d in part], type=pa.string()) for c in COLUMNS})
-        name = f"part-{k:05d}.parquet"
-        pq.write_table(table, str(out / name))
-        files.append(name)
-    return files
+    per_source: dict[str, dict[str, Any]] = {}
+    for f in sorted((logs / "split").glob("*.json")):
+        for src, e in json.loads(f.read_text()).items():
+            agg = per_source.setdefault(src, {"max_val": None, "min_all": None})
+            if e["max_val"] and (agg["max_val"] is None or e["max_val"][0] > agg["max_val"][0]):
+                agg["max_val"] = e["max_val"]
+            if agg["min_all"] is None or e["min_all"][0] < agg["min_all"][0]:
+                agg["min_all"] = e["min_all"]
+    counts = {split: _split_counts(out_dir, split) for split in ("train", "validation")}
+    moves: list[tuple[str, str, int, str]] = []  # (id, from split, shard, to split)
+    for src, agg in per_source.items():
+        if counts["train"].get(src, 0) == 0 and agg["max_val"]:
+            _, doc_id, shard = agg["max_val"]
+            moves.append((doc_id, "validation", shard, "train"))
+            counts["train"][src] = 1
+            counts["validation"][src] -= 1
+    if not sum(counts["validation"].values()):
+        movable = [agg["min_all"] for src, agg in per_source.items()
+                   if counts["train"].get(src, 0) + counts["validation"].get(src, 0) >= 2]
+        if movable:
+            _, doc_id, shard = min(movable)
+            moves.append((doc_id, "train", shard, "validation"))
+    for doc_id, src_split, shard, dst_split in moves:
+        name = f"part-{shard:05d}.parquet"
+        src_file, dst_file = out_dir / src_split / name, out_dir / dst_split / name
+        table = pq.read_table(src_file)
+        ids = table.column("id").to_pylist()
+        keep = pa.array([i != doc_id for i in ids])
+        moved = table.filter(pa.compute.invert(keep))
+        rest = table.filter(keep)
+        if rest.num_rows:
+            pq.write_table(rest, src_file)
+        else:
+            src_file.unlink()
+        dst_file.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.concat_tables([pq.read_table(dst_file), moved]) if dst_file.exists() else moved, dst_file)
+    return {split: sum(_split_counts(out_dir, split).values()) for split in ("train", "validation")}
+
+
+def _split_counts(out_dir: Path, split: str) -> Counter:
+    import pyarrow.parquet as pq
+
+    c: Counter = Counter()
+    for f in sorted((out_dir / split).glob("part-*.parquet")):
+        c.update(pq.read_table(f, columns=["source"]).column("source").to_pylist())
+    return c
 
 
 def run_clean(ctx: StageContext) -> dict[str, Any]:
+    import pyarrow.compute  # noqa: F401  (pa.compute in _fix_split)
+
     cfg = ctx.cfg.data
     t0 = time.perf_counter()
     # Validate before work: every source resolvable, every evaluation file readable.
@@ -163,157 +286,170 @@ def run_clean(ctx: StageContext) -> dict[str, Any]:
                                        cfg.decontaminate.min_ngram)
     ctx.log_params({"data.sources": ",".join(f"{s.name}:{s.kind}:{s.weight}" for s in cfg.sources),
                     "data.dedup.threshold": cfg.dedup.threshold, "data.decontaminate.ngram": cfg.decontaminate.ngram,
-                    "data.normalization": cfg.clean.normalization, "data.val_fraction": cfg.val_fraction})
+                    "data.normalization": cfg.clean.normalization, "data.val_fraction": cfg.val_fraction,
+                    "data.executor": cfg.executor, "data.workers": cfg.workers, "data.task_mb": cfg.task_mb})
 
-    docs, read_log, per_source = read_sources(cfg, ctx.workspace.path("scratch", "datasets-cache"))
-    steps = [read_log]
+    # A document longer than max_chars is dropped anyway; files beyond 4 bytes/char of that are not even read.
+    tasks = plan_tasks(cfg.sources, 4 * cfg.clean.max_chars, max(1, int(cfg.task_mb * 2**20)))
+    work = ctx.workspace.path("scratch", f"data-{uuid.uuid4().hex[:12]}")  # every node sees it (shared workdir)
+    plan_dir, scratch, logs = work / "plan", work / "scratch", work / "logs"
+    plan_dir.mkdir(parents=True)
+    for rank, units in enumerate(tasks):
+        (plan_dir / f"{rank:05d}.json").write_text(json.dumps(units))
+    if ctx.out_dir.exists():  # leftovers of an interrupted attempt must not join this output
+        shutil.rmtree(ctx.out_dir)
+    ctx.out_dir.mkdir(parents=True)
+    try:
+        stages = build_stages(ctx.cfg, plan_dir, scratch, logs, ctx.out_dir, contamination, len(tasks),
+                              ctx.workspace.path("scratch", "datasets-cache"))
+        stats = run_stages(ctx.cfg, stages, logs)
+        counts = _step_counts(stats)
+        examples = _examples(logs)
+        read = StepRow("read", counts["read"])
+        empty = [s.name for s in cfg.sources if read.out_by_source[s.name] == 0]
+        if empty:
+            name = empty[0]
+            drops = {r: c for (s, r), c in read.source_drops.items() if s == name}
+            what = f"; dropped while reading: {drops} e.g. {examples.get('read', {})}" if drops else ""
+            raise DataSourceError(f"source {name!r} yielded no documents{what}")
+        rows = _card_rows(counts, read)
+        last = rows[-1]
+        kept_per_source = last.out_by_source
+        no_docs = [s.name for s in cfg.sources if kept_per_source[s.name] == 0]
+        if no_docs:
+            lost = {name: {f"{r.name}/{reason}": c for r in rows for (s, reason), c in r.source_drops.items() if s == name}
+                    for name in no_docs}
+            raise DataSourceError(
+                f"source(s) {no_docs} yielded zero documents after filtering (drops: {lost}); loosen data.clean or remove the source"
+            )
+        if last.docs_out < 2:
+            raise DataSourceError(f"only {last.docs_out} document(s) left after filtering: need at least 2 for a train/validation split")
+        split_docs = _fix_split(ctx.out_dir, logs / "write", len(tasks))
+        if not split_docs["validation"]:
+            raise DataSourceError(
+                f"no validation document: {last.docs_out} documents left, none of them can leave train (each source needs one "
+                "training document); add data"
+            )
+    except BaseException:
+        shutil.rmtree(ctx.out_dir, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _write_card(ctx, cfg, rows, counts, examples, eval_sets, contamination, tasks, t0)
 
-    cc = cfg.clean
-    docs, log = _run_step("normalize", docs, lambda d: (Kept(d.source, d.origin, normalize(d.text, cc.normalization)), ""))
-    steps.append(log)
 
-    def quality(d: Kept):
-        reason = quality_reason(d.text, cc)
-        return (None, reason) if reason else (d, "")
+def _card_rows(counts: dict[str, Counter], read: "StepRow") -> list["StepRow"]:
+    rows = [read]
+    for name in STEP_ORDER[1:]:
+        if name in ("exact_dedup", "near_dedup"):
+            if "dedup" not in counts:
+                continue
+            reason = "exact_duplicate" if name == "exact_dedup" else "near_duplicate"
+            prev = rows[-1]
+            rows.append(StepRow(name, counts["dedup"], {reason}, Counter(prev.out_by_source),
+                                _bytes_out_by_source(prev, counts)))
+        elif name in counts:
+            rows.append(StepRow(name, counts[name]))
+    return rows
 
-    docs, log = _run_step("quality", docs, quality)
-    steps.append(log)
 
-    secrets: Counter = Counter()
-    if cc.scrub_secrets:
-        def scrub(d: Kept):
-            text, found = scrub_secrets(d.text)
-            secrets.update(found)
-            return Kept(d.source, d.origin, text), ""
+def _bytes_out_by_source(prev: "StepRow", counts: dict[str, Counter]) -> Counter:
+    """Bytes per source leaving `prev`, for the dedup rows (which share one datatrove filter's counts)."""
+    if prev.name == "exact_dedup":
+        out = Counter(prev.bytes_in_by_source)
+        for label, v in counts["dedup"].items():
+            kind, _, rest = label.partition(SEP)
+            src, _, reason = rest.partition(SEP)
+            if kind == "drop_bytes" and reason == "exact_duplicate":
+                out[src] -= v
+        return out
+    return _by_source(counts[prev.name], "out_bytes")
 
-        docs, log = _run_step("scrub_secrets", docs, scrub)
-        steps.append(log)
 
-    for d in docs:
-        d.id = normalized_hash(d.text)
-    if cfg.dedup.exact:
-        seen: set[str] = set()
+def _write_card(ctx, cfg, rows, counts, examples, eval_sets, contamination, tasks, t0) -> dict[str, Any]:
+    import pyarrow.parquet as pq
 
-        def exact(d: Kept):
-            if d.id in seen:
-                return None, "exact_duplicate"
-            seen.add(d.id)
-            return d, ""
-
-        docs, log = _run_step("exact_dedup", docs, exact)
-        steps.append(log)
-
-    near_info: dict[str, Any] = {}
-    if cfg.dedup.near and docs:
-        t = time.perf_counter()
-        hasher = MinHasher(cfg.dedup.num_perm)
-        # Two passes, each with its bar: MinHash signatures (a document's signature depends on it alone,
-        # so they are computed a slice at a time and the bar moves per slice), then LSH bucketing.
-        with progress_bar(len(docs), "data near_dedup minhash", "doc") as bar:
-            parts = []
-            for k in range(0, len(docs), SIGNATURE_SLICE):
-                part = docs[k:k + SIGNATURE_SLICE]
-                parts.append(hasher.signatures([shingle_hashes(d.text, cfg.dedup.shingle) for d in part]))
-                bar.update(len(part))
-            sigs = np.concatenate(parts)
-        with progress_bar(len(docs), "data near_dedup lsh", "doc") as bar:
-            res = near_duplicates(sigs, cfg.dedup.threshold, advance=bar.update)
-        keep = {i for i in range(len(docs)) if res.keep[i]}
-        index = {id(d): i for i, d in enumerate(docs)}
-        docs, log = _run_step("near_dedup", docs, lambda d: (d, "") if index[id(d)] in keep else (None, "near_duplicate"),
-                              progress=False)
-        steps.append(log)
-        near_info = {"bands": res.bands, "rows": res.rows, "candidate_pairs": res.candidate_pairs,
-                     "seconds": round(time.perf_counter() - t, 3)}
-
-    contaminated: Counter = Counter()
-    if len(contamination):
-        def decontaminate(d: Kept):
-            gram = contamination.matches(d.text)
-            if gram is not None:
-                contaminated[gram] += 1
-                return None, "eval_ngram_overlap"
-            return d, ""
-
-        docs, log = _run_step("decontaminate", docs, decontaminate)
-        steps.append(log)
-
-    kept_per_source = Counter(d.source for d in docs)
-    empty = [s.name for s in cfg.sources if kept_per_source[s.name] == 0]
-    if empty:
-        lost = {name: {f"{st.name}/{r}": c for st in steps for (s, r), c in st.source_drops.items() if s == name}
-                for name in empty}
-        raise DataSourceError(
-            f"source(s) {empty} yielded zero documents after filtering (drops: {lost}); loosen data.clean or remove the source"
-        )
-    if len(docs) < 2:
-        raise DataSourceError(f"only {len(docs)} document(s) left after filtering: need at least 2 for a train/validation split")
-
-    is_val = assign_validation([d.id for d in docs], cfg.val_fraction, [d.source for d in docs])
-    if not is_val.any():
-        raise DataSourceError(
-            f"no validation document: {len(docs)} documents left, none of them can leave train (each source needs one "
-            "training document); add data"
-        )
-    splits = {"train": [d for d, v in zip(docs, is_val) if not v], "validation": [d for d, v in zip(docs, is_val) if v]}
-    shard_bytes = int(cfg.shard_mb * 2**20)
-    with quiet_datasets():
-        files = {name: _write_split(part, ctx.out_dir / name, shard_bytes) for name, part in splits.items()}
-
-    # The card.
     card = DataCard("Data card: cleaned documents")
-    total_in = read_log.docs_in
-    exact_log = next((s for s in steps if s.name == "exact_dedup"), None)
-    near_log = next((s for s in steps if s.name == "near_dedup"), None)
-    split_rows = [{"split": n, "documents": len(p), "bytes": sum(d.nbytes for d in p), "files": len(files[n])}
-                  for n, p in splits.items()]
+    read, last = rows[0], rows[-1]
+    by_name = {r.name: r for r in rows}
+    splits: dict[str, dict[str, Any]] = {}
+    for split in ("train", "validation"):
+        files = sorted(p.name for p in (ctx.out_dir / split).glob("part-*.parquet"))
+        docs = bytes_ = 0
+        per_source: Counter = Counter()
+        for f in files:
+            t = pq.read_table(ctx.out_dir / split / f, columns=["source", "text"])
+            srcs = t.column("source").to_pylist()
+            per_source.update(srcs)
+            docs += t.num_rows
+            bytes_ += sum(len(x.encode("utf-8", "surrogatepass")) for x in t.column("text").to_pylist())
+        splits[split] = {"files": files, "documents": docs, "bytes": bytes_, "per_source": per_source}
+    secrets = {label.split(SEP, 1)[1]: v for label, v in counts.get("scrub_secrets", Counter()).items()
+               if label.startswith(f"secret{SEP}")}
+    exact, near = by_name.get("exact_dedup"), by_name.get("near_dedup")
+    decon = by_name.get("decontaminate")
     summary = {
-        "documents_in": total_in,
-        "bytes_in": read_log.bytes_in,
-        "documents_out": len(docs),
-        "bytes_out": sum(d.nbytes for d in docs),
-        "exact_duplicate_rate": (exact_log.drops["exact_duplicate"] / exact_log.docs_in) if exact_log and exact_log.docs_in else 0.0,
-        "near_duplicate_rate": (near_log.drops["near_duplicate"] / near_log.docs_in) if near_log and near_log.docs_in else 0.0,
-        "train_documents": len(splits["train"]),
-        "validation_documents": len(splits["validation"]),
-        "train_bytes": split_rows[0]["bytes"],
-        "validation_bytes": split_rows[1]["bytes"],
+        "documents_in": read.docs_in,
+        "bytes_in": sum(read.bytes_in_by_source.values()),
+        "documents_out": last.docs_out,
+        "bytes_out": splits["train"]["bytes"] + splits["validation"]["bytes"],
+        "exact_duplicate_rate": exact.drops["exact_duplicate"] / exact.docs_in if exact and exact.docs_in else 0.0,
+        "near_duplicate_rate": near.drops["near_duplicate"] / near.docs_in if near and near.docs_in else 0.0,
+        "train_documents": splits["train"]["documents"],
+        "validation_documents": splits["validation"]["documents"],
+        "train_bytes": splits["train"]["bytes"],
+        "validation_bytes": splits["validation"]["bytes"],
         "secrets_scrubbed": sum(secrets.values()),
-        "contaminated_documents": sum(contaminated.values()),
+        "contaminated_documents": decon.drops["eval_ngram_overlap"] if decon else 0,
+        "tasks": len(tasks),
         "seconds": round(time.perf_counter() - t0, 3),
     }
     card.figures("summary", "Summary", summary)
-    card.table("steps", "Documents and bytes through every step", [s.row() for s in steps],
+    card.table("steps", "Documents and bytes through every step", [r.row() for r in rows],
                ["step", "docs_in", "bytes_in", "docs_out", "bytes_out", "dropped", "drops"])
-    drop_rows = [{"step": s.name, "reason": r, "documents": c, "examples": "; ".join(s.examples.get(r, [])[:3])}
-                 for s in steps for r, c in sorted(s.drops.items())]
+    drop_rows = []
+    for r in rows:
+        ex = examples.get("dedup" if r.name in ("exact_dedup", "near_dedup") else r.name, {})
+        for reason, c in sorted(r.drops.items()):
+            drop_rows.append({"step": r.name, "reason": reason, "documents": c, "examples": "; ".join(ex.get(reason, [])[:3])})
     card.table("drops", "Drops per reason", drop_rows, ["step", "reason", "documents", "examples"])
+    source_drop_rows = [{"source": s, "step": r.name, "reason": reason, "documents": c}
+                        for r in rows for (s, reason), c in sorted(r.source_drops.items())]
+    card.table("source_drops", "Drops per source and reason", source_drop_rows, ["source", "step", "reason", "documents"])
     card.table("secrets", "Secrets scrubbed per kind", [{"kind": k, "count": v} for k, v in sorted(secrets.items())],
                ["kind", "count"])
     source_rows = []
     for s in cfg.sources:
-        info = per_source[s.name]
         source_rows.append({
-            "source": s.name, "kind": s.kind, "weight": s.weight, "documents_read": info["documents_read"],
-            "bytes_read": info["bytes_read"], "documents_kept": kept_per_source[s.name],
-            "train_documents": sum(1 for d in splits["train"] if d.source == s.name),
-            "validation_documents": sum(1 for d in splits["validation"] if d.source == s.name),
+            "source": s.name, "kind": s.kind, "weight": s.weight, "documents_read": read.out_by_source[s.name],
+            "bytes_read": read.bytes_in_by_source[s.name] - sum(
+                v for label, v in counts["read"].items() if label.startswith(f"drop_bytes{SEP}{s.name}{SEP}")),
+            "documents_kept": last.out_by_source[s.name],
+            "train_documents": splits["train"]["per_source"][s.name],
+            "validation_documents": splits["validation"]["per_source"][s.name],
         })
     card.table("sources", "Sources (mixture weights are applied when packing tokens)", source_rows,
                ["source", "kind", "weight", "documents_read", "bytes_read", "documents_kept", "train_documents",
                 "validation_documents"])
+    split_rows = [{"split": n, "documents": v["documents"], "bytes": v["bytes"], "files": len(v["files"])}
+                  for n, v in splits.items()]
     card.table("splits", "Splits", split_rows, ["split", "documents", "bytes", "files"])
     eval_digest = hashlib.sha256("\x00".join(sorted(contamination.grams)).encode()).hexdigest()
     card.figures("decontamination", "Decontamination", {
         "ngram": cfg.decontaminate.ngram, "eval_sets": ", ".join(f"{k} ({len(v)})" for k, v in eval_sets.items()) or "none",
         "min_ngram": cfg.decontaminate.min_ngram, "eval_ngrams": len(contamination),
         "eval_texts_shorter_than_min_ngram": contamination.too_short,
-        "eval_ngrams_sha256": eval_digest, "documents_dropped": sum(contaminated.values()),
+        "eval_ngrams_sha256": eval_digest, "documents_dropped": summary["contaminated_documents"],
     })
-    if near_info:
-        card.figures("near_dedup", "Near-duplicate detection (MinHash + LSH)",
-                     {"threshold": cfg.dedup.threshold, "num_perm": cfg.dedup.num_perm, "shingle": cfg.dedup.shingle, **near_info})
-    card.raw("files", files)
+    if cfg.dedup.near:
+        mh = _minhash_config(cfg)
+        card.figures("near_dedup", "Near-duplicate detection (datatrove MinHash + LSH)",
+                     {"threshold": cfg.dedup.threshold, "num_perm": cfg.dedup.num_perm, "shingle": cfg.dedup.shingle,
+                      "bands": mh.num_buckets, "rows": mh.hashes_per_bucket,
+                      "hashes_used": mh.num_buckets * mh.hashes_per_bucket})
+    card.figures("execution", "Execution (datatrove)", {"executor": cfg.executor, "workers": cfg.workers,
+                                                         "tasks": len(tasks), "task_mb": cfg.task_mb})
+    card.raw("files", {n: v["files"] for n, v in splits.items()})
     card.raw("weights", {s.name: s.weight for s in cfg.sources})
     md = card.write(ctx.out_dir)
 

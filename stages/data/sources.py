@@ -117,16 +117,23 @@ def validate_source(src: SourceConfig) -> None:
 
 
 class SourceReader:
-    """Yields the documents of one source, stopping at max_documents / max_bytes, counting what it drops."""
+    """Yields the documents of one source, stopping at max_documents / max_bytes, counting what it drops.
 
-    def __init__(self, src: SourceConfig, max_doc_bytes: int, cache_dir: Path | None = None):
+    `files` reads just those files of the source (a task's share, see `plan_tasks`); the source's limits were
+    then applied when the files were planned, so they are not applied again here."""
+
+    def __init__(self, src: SourceConfig, max_doc_bytes: int, cache_dir: Path | None = None,
+                 files: list[str] | None = None):
         self.src = src
+        self.files = [Path(f) for f in files] if files is not None else None
         self.cache_dir = str(cache_dir) if cache_dir is not None else None  # datasets' lock/cache files go here
         self.stats = ReadStats()
         # Anything far larger than the longest document we keep is dropped unread (a 50 MB one-line file).
         self.max_doc_bytes = max_doc_bytes
 
     def _full(self) -> bool:
+        if self.files is not None:
+            return False
         s = self.src
         return (s.max_documents is not None and self.stats.documents >= s.max_documents) or (
             s.max_bytes is not None and self.stats.bytes >= s.max_bytes
@@ -162,7 +169,9 @@ class SourceReader:
 
     def __iter__(self) -> Iterator[Document]:
         kind = self.src.kind
-        if kind == "python_source":
+        if self.files is not None:
+            yield from self._listed()
+        elif kind == "python_source":
             yield from self._python_source()
         elif kind == "files":
             yield from self._files()
@@ -170,16 +179,21 @@ class SourceReader:
             yield from self._hub()
 
     def _python_source(self) -> Iterator[Document]:
-        roots = python_source_roots(self.src)
-        for i, root in enumerate(roots):
-            # The stdlib folder contains its own site-packages; each root is walked once.
-            skip = {r for r in roots[i + 1:]} | {root / "site-packages"}
-            for path in _walk_py(root, skip, self.src.exclude_tests):
-                if self._full():
-                    return
+        for path in python_source_files(self.src):
+            if self._full():
+                return
+            doc = self._read_file_bytes(path)
+            if doc is not None:
+                yield doc
+
+    def _listed(self) -> Iterator[Document]:
+        for path in self.files:
+            if self.src.kind == "python_source" or file_format(self.src, path) == "text":
                 doc = self._read_file_bytes(path)
                 if doc is not None:
                     yield doc
+            else:
+                yield from self._table_file(path, file_format(self.src, path))
 
     def _files(self) -> Iterator[Document]:
         for path in resolve_files(self.src):
@@ -241,3 +255,74 @@ class SourceReader:
                 f"source {self.src.name!r}: cannot load hub dataset {self.src.path!r} split {self.src.split!r} "
                 f"(offline, or no such dataset?): {type(exc).__name__}: {exc}"
             ) from exc
+
+
+# --- planning: the sources cut into tasks of about `task_bytes` ---------------------------------------------
+
+def python_source_files(src: SourceConfig) -> Iterator[Path]:
+    """The .py files of python_source, in reading order (walked lazily: a byte limit stops the walk early)."""
+    roots = python_source_roots(src)
+    for i, root in enumerate(roots):
+        # The stdlib folder contains its own site-packages; each root is walked once.
+        skip = {r for r in roots[i + 1:]} | {root / "site-packages"}
+        yield from _walk_py(root, skip, src.exclude_tests)
+
+
+def _planned_files(src: SourceConfig, max_doc_bytes: int) -> list[tuple[str, int]] | None:
+    """(path, size) of the files a source is read from, its limits applied by file size; None when the source
+    must be read whole by one task (a hub dataset, or table files under a limit: rows are only counted by reading).
+
+    A file counts against max_bytes/max_documents as the reader would count it if it holds a readable document
+    (non-empty, at most max_doc_bytes); an undecodable one is found only when read, so it counts here too."""
+    if src.kind == "hf":
+        return None
+    limited = src.max_documents is not None or src.max_bytes is not None
+    if src.kind == "python_source":
+        paths = python_source_files(src)
+    else:
+        paths = resolve_files(src)
+        if limited and any(file_format(src, p) != "text" for p in paths):
+            return None
+    out, docs, nbytes = [], 0, 0
+    for p in paths:
+        if (src.max_documents is not None and docs >= src.max_documents) or (
+                src.max_bytes is not None and nbytes >= src.max_bytes):
+            break
+        size = p.stat().st_size
+        if 0 < size <= max_doc_bytes:
+            docs += 1
+            nbytes += size
+        out.append((str(p), size))
+    return out
+
+
+def plan_tasks(sources: list[SourceConfig], max_doc_bytes: int, task_bytes: int) -> list[list[dict]]:
+    """The read work cut into tasks: each a list of {"source", "files"} units (files None: the whole source),
+    contiguous in source order and about task_bytes of input each. It depends on the input alone, never on
+    how many workers run it, so every executor writes the same shards."""
+    tasks: list[list[dict]] = []
+    current: list[dict] = []
+    size = 0
+
+    def close():
+        nonlocal current, size
+        if current:
+            tasks.append(current)
+        current, size = [], 0
+
+    for src in sources:
+        files = _planned_files(src, max_doc_bytes)
+        if files is None:
+            close()
+            tasks.append([{"source": src.name, "files": None}])
+            continue
+        for path, nbytes in files:
+            if current and current[-1]["source"] == src.name:
+                current[-1]["files"].append(path)
+            else:
+                current.append({"source": src.name, "files": [path]})
+            size += nbytes
+            if size >= task_bytes:
+                close()
+    close()
+    return tasks

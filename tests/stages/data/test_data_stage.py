@@ -23,7 +23,7 @@ SLICE = 400_000  # bytes of the standard library: the first ~30 files in sorted 
 
 def make_ctx(tmp_path, sources, out="data", **data):
     cfg = load_config("tiny")
-    cfg.data = DataConfig(sources=sources, **data)
+    cfg.data = DataConfig(sources=sources, **{"workers": 1, **data})  # in-process: no pool to start per test
     cfg.infra.workdir = str(tmp_path / "ws")
     logged = {"metrics": {}, "params": {}, "artifacts": []}
     ctx = StageContext(cfg, Workspace.from_config(cfg), tmp_path / out,
@@ -284,3 +284,24 @@ def test_split_corrections_for_tiny_corpora():
     # Nothing below val_fraction: the lowest-fraction document goes to validation.
     tiny = assign_validation(hashes[:5], 1e-9)
     assert tiny.sum() == 1 and tiny[int(np.argmin(frac[:5]))]
+
+
+@pytest.mark.parametrize("val_fraction", [0.7, 1e-9])
+def test_split_corrections_match_assign_validation(tmp_path, val_fraction):
+    """The pipeline corrects a tiny corpus's split from per-shard figures (pipeline._fix_split); the reference is
+    split.assign_validation over every kept document at once. 0.7: sources whose every document hashes into
+    validation keep one in train; 1e-9: nothing falls in validation, so one document is moved there."""
+    from stages.data.split import assign_validation
+
+    names = ["textwrap.py", "fnmatch.py", "heapq.py", "glob.py", "shlex.py", "string.py", "colorsys.py"]
+    texts = [(STDLIB / n).read_text() for n in names]
+    sources = []
+    for name, chunk in (("one", texts[:1]), ("two", texts[1:3]), ("four", texts[3:])):
+        sources.append(SourceConfig(name=name, path=str(write_jsonl(tmp_path / "in" / f"{name}.jsonl", chunk))))
+    ctx, _ = make_ctx(tmp_path, sources, val_fraction=val_fraction, task_mb=0.05)
+    run_clean(ctx)
+    rows = [(r, "train") for r in read_split(ctx.out_dir, "train")] + [(r, "validation") for r in read_split(ctx.out_dir, "validation")]
+    assert len(rows) == len(texts)
+    rows.sort(key=lambda x: x[0]["id"])
+    expected = assign_validation([r["id"] for r, _ in rows], val_fraction, [r["source"] for r, _ in rows])
+    assert [split == "validation" for _, split in rows] == expected.tolist()
