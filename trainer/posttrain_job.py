@@ -135,7 +135,9 @@ class PosttrainJob:
                     raise ValueError(f"GRPO data row {n} has no `answer` (keys {sorted(r)})")
             self.prompts = [(pdata.prompt_ids(self.tok, r), str(r["answer"])) for r in rows]
             self.objective = GroupRelativePolicy(epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
-                                                 reference=self.reference)
+                                                 reference=self.reference, temperature=s.temperature,
+                                                 loss_type=s.loss_type, max_new_tokens=s.max_new_tokens,
+                                                 kl_ratio_correction=s.kl_ratio_correction)
             per_rank = s.prompts_per_step // self.dims.dp
             if per_rank * self.dims.dp != s.prompts_per_step:
                 raise ValueError(f"grpo.prompts_per_step={s.prompts_per_step} does not split over dp={self.dims.dp}")

@@ -108,12 +108,23 @@ class GRPOConfig(PosttrainStepConfig):
     group_size: int = Field(8, ge=2, description="G: samples per prompt")
     micro_batch_size: int = Field(64, ge=1, description="completions per micro-batch")
     global_batch_size: int = Field(128, ge=1, description="completions per step (prompts_per_step * group_size)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts; the ratio's old "
-                               "log-probs are the engine's raw (temperature-1) ones, exact at the default 1.0")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts; every log-prob of the "
+                               "loss (policy, reference, the engine's behaviour log-probs) is of softmax(logits / T), "
+                               "as TRL's")
     max_new_tokens: int = Field(6, ge=1)
     epsilon: float = Field(0.2, gt=0, description="clip range below 1 (and above, unless epsilon_high)")
     epsilon_high: float | None = Field(None, gt=0, description="clip range above 1 (DAPO's clip-higher)")
-    beta: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient (k3 estimator)")
+    beta: float = Field(0.0, ge=0, description="KL(policy || reference) coefficient (k3 estimator). 0 by default, "
+                        "as TRL's: DAPO and Dr. GRPO found the KL term unneeded with verifiable rewards, and without "
+                        "it no reference forward runs (the KL is still logged); DeepSeek-R1 used 0.001")
+    kl_ratio_correction: bool = Field(True, description="multiply the KL term by the importance ratio, which makes "
+                                      "its gradient the unbiased reverse-KL one (DeepSeek-V3.2; TRL's "
+                                      "use_bias_correction_kl, on by default there too)")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo", description="how token losses make the step's loss, as TRL's loss_type: dapo (default, as TRL's) "
+        "averages over every completion token of the step; grpo averages each answer's tokens, then the answers "
+        "(the paper's, biased towards short right and long wrong answers); dr_grpo sums and divides by answers * "
+        "max_new_tokens (Dr. GRPO)")
     async_rollouts: bool = Field(False, description="generate step t+1's rollouts with the weights of step t-1 "
                                                     "while step t trains (one-step-stale, seed: asynchronous RL)")
     engine: str = Field("stages.posttrain.rollout:ServingEngineRollouts",

@@ -25,8 +25,10 @@ class ServingEngineRollouts:
         self.arch = hf_layout.hf_architecture(model_cfg)
         hf_dir = Path(workdir) / "hf"
         hf_layout.write_hf(state_dict, model_cfg, hf_dir, dtype="float32", tokenizer_dir=tokenizer_dir)
+        # the behaviour log-probs GRPO's ratio needs: of the distribution sampled from (temperature applied)
         self.engine = LLMEngine(hf_dir, EngineConfig(device=device, dtype="float32", kv_cache_memory_gb=kv_cache_memory_gb,
-                                                     max_num_seqs=256, max_num_batched_tokens=2048))
+                                                     max_num_seqs=256, max_num_batched_tokens=2048,
+                                                     logprobs_mode="processed_logprobs"))
         self.pushes = 0
 
     def generate(self, prompts: Sequence[list[int]], samples: int, max_new_tokens: int, temperature: float,

@@ -100,6 +100,10 @@ class EngineConfig:
     (compiled_forward.py), as vLLM compiles by default. Eager here, so that engines built
     in-process (evaluate, GRPO rollouts, tests) start at once; `eightfold serve` and `bench serve`
     compile unless given --enforce-eager."""
+    logprobs_mode: str = "raw_logprobs"
+    """What a sampled token's logprobs are of (vLLM's --logprobs-mode): "raw_logprobs", the model's own
+    distribution (the default); "processed_logprobs", the distribution it was sampled from (after
+    penalties, temperature, min_p, top-k and top-p), which RL needs for its importance ratios."""
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -122,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.speculative and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}")
 
 
 @dataclass
@@ -281,7 +287,7 @@ class LLMEngine:
                             "decode_slots=False): running eager")
             elif self.model.compile() and self.model.pieces.warm_up_decode(self.cache, slots, k):
                 self.compile_seconds = self.model.pieces.compile_seconds  # at start: no request pays for it
-        self.runner = ModelRunner(self.model, self.cache, self.kv, slots)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, slots, c.logprobs_mode)
         self.proposer: NgramProposer | DraftModelProposer | MTPProposer | None = None
         if c.speculative == "ngram":
             self.proposer = NgramProposer(k, c.ngram_max, c.ngram_min, self.max_model_len)

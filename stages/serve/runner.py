@@ -18,7 +18,7 @@ import torch
 from .decode_slots import DecodeSlots, run_decodes, run_with_slots
 from .kv_cache import KVCacheManager
 from .model import KVCacheTensors, PagedLlama, run_paged
-from .sampling import Sampler, TokenLogprob, greedy_tokens, token_logprobs
+from .sampling import Sampler, TokenLogprob, greedy_tokens, processed_logprobs, token_logprobs
 from .request import Request
 from .scheduler import SchedulerOutput, StepResult
 from .speculative import accept_greedy, rejection_sample
@@ -27,8 +27,9 @@ from .structured_output import GrammarBitmask
 
 class ModelRunner:
     def __init__(self, model: PagedLlama, cache: KVCacheTensors, kv: KVCacheManager,
-                 slots: DecodeSlots | None = None):
+                 slots: DecodeSlots | None = None, logprobs_mode: str = "raw_logprobs"):
         self.model = model
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"  # EngineConfig.logprobs_mode
         self.cache = cache
         self.kv = kv
         self.slots = slots  # 1-token decodes attend over contiguous rows (decode_slots.py) when set
@@ -143,7 +144,11 @@ class ModelRunner:
             if want_lp:
                 top_n = max(reqs[i].params.logprobs for i in want_lp)
                 idx = torch.tensor(want_lp, device=logits.device)
-                lps = token_logprobs(rows[idx], torch.tensor([toks[i] for i in want_lp], device=logits.device), top_n)
+                lp_rows = rows[idx]
+                if self.processed_logprobs:
+                    lp_rows = processed_logprobs(lp_rows, [reqs[i].params for i in want_lp],
+                                                 None if hist is None else [hist[i] for i in want_lp])
+                lps = token_logprobs(lp_rows, torch.tensor([toks[i] for i in want_lp], device=logits.device), top_n)
                 for i, lp in zip(want_lp, lps):
                     lp.top = dict(list(lp.top.items())[:reqs[i].params.logprobs])
                     plain[i][3].logprobs = [lp]
@@ -161,7 +166,10 @@ class ModelRunner:
                                                None if probs is None else probs[: len(drafts)], req.params, req.generator)
             if req.params.logprobs is not None:
                 ids = torch.tensor(res.sampled, device=logits.device)
-                res.logprobs = token_logprobs(logits[off: off + len(res.sampled)], ids, req.params.logprobs)
+                lp_rows = logits[off: off + len(res.sampled)]
+                if self.processed_logprobs:  # (requests with argmax-changing processors get no drafts)
+                    lp_rows = processed_logprobs(lp_rows, [req.params] * len(res.sampled), None)
+                res.logprobs = token_logprobs(lp_rows, ids, req.params.logprobs)
 
     def _execute_decodes(self, out: SchedulerOutput) -> dict[str, StepResult] | None:
         """The common steps: every request feeds its last token (and any draft tokens to verify)

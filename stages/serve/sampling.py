@@ -5,7 +5,8 @@ rows take the argmax and the others are shaped by temperature, min_p, top-k and 
 each seeded request from its own generator.
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM reports
-them by default (logprobs_mode "raw_logprobs"); everything above shapes only what is sampled."""
+them by default (logprobs_mode "raw_logprobs"), or of the distribution sampled from
+("processed_logprobs": `processed_logprobs`)."""
 
 from __future__ import annotations
 
@@ -146,6 +147,11 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from: temperature, min_p, then top-k, then top-p. [N, V] -> [N, V]."""
+    return torch.softmax(processed_logits(logits, params), dim=-1)
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits scaled by the temperature, -inf where min_p, top-k or top-p exclude a token. [N, V] -> [N, V]."""
     x = logits.float() / max(params.temperature, 1e-6)
     vocab = x.shape[-1]
     if params.min_p > 0.0:
@@ -161,7 +167,24 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
-    return torch.softmax(x, dim=-1)
+    return x
+
+
+def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                       histories: list[TokenHistory | None] | None) -> torch.Tensor:
+    """Row i's log-probs under the distribution request i samples from: its argmax-changing processors
+    (when its history is given), then temperature, min_p, top-k and top-p (-inf where excluded). A greedy
+    row's distribution is its argmax alone."""
+    if histories is not None and any(h is not None for h in histories):
+        logits = apply_logits_processors(logits, params, histories)
+    rows = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            row = torch.full_like(logits[i], float("-inf"), dtype=torch.float32)
+            rows.append(row.index_fill_(0, logits[i].argmax().view(1), 0.0))
+        else:
+            rows.append(torch.log_softmax(processed_logits(logits[i:i + 1], p)[0], dim=-1))
+    return torch.stack(rows)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:

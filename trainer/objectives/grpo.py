@@ -7,16 +7,25 @@ group average as its advantage").
     per completion token t:  ratio = exp(logp_t - logp_old_t)
         L_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * KL_t
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (Schulman's k3 estimator, as GRPO)
-    token-mean: the loop divides the summed L_t by the completion tokens of the whole step
-        (DAPO's token-level mean: every token weighs the same whatever its answer's length).
+               times ratio when kl_ratio_correction (DeepSeek-V3.2; TRL's use_bias_correction_kl, its default):
+               the ratio, differentiable, makes the KL gradient the unbiased reverse-KL one
+    aggregation over the step, TRL's `loss_type`s:
+        dapo     sum of L_t over the step's completion tokens (DAPO: every token weighs the same, whatever
+                 its answer's length; TRL's default)
+        grpo     each answer's token mean, then the mean over answers (the paper's; biased by length)
+        dr_grpo  sum of L_t / (answers * max_new_tokens) (Dr. GRPO: a constant normaliser)
+    The loop divides the step's summed loss by the summed `weight`s (over micro-batches and data-parallel
+    ranks), so each variant is a choice of what a micro-batch sums and what its weight counts.
 
-logp_old are the log-probs the rollout engine reported for the sampled tokens: the behaviour policy,
-which is the current one for on-policy steps and the previous step's with one-step-stale rollouts."""
+Every log-prob (policy, reference, behaviour) is of the distribution the answers were sampled from,
+softmax(logits / temperature), as TRL computes them; logp_old are the rollout engine's for the sampled
+tokens at that temperature (its logprobs_mode "processed_logprobs"): the behaviour policy, the current one
+for on-policy steps and the previous step's with one-step-stale rollouts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -62,8 +71,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
 
 def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
-                    ref_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Summed per-token loss over the mask [b, S] and summed statistics (kl, clipped tokens)."""
+                    ref_logps: torch.Tensor | None = None, token_weights: torch.Tensor | None = None,
+                    kl_ratio_correction: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed per-token loss over the mask [b, S] (each token times `token_weights`, broadcast, when given)
+    and summed statistics (kl, clipped tokens)."""
     ratio = torch.exp(logps - old_logps)
     adv = advantages.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon_high if epsilon_high is not None else epsilon))
@@ -72,10 +83,17 @@ def grpo_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     if ref_logps is not None:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
+        if kl_ratio_correction:
+            kl = kl * ratio
         stats["kl"] = (kl * mask).sum().detach()
         if beta > 0:
             per_token = per_token + beta * kl
+    if token_weights is not None:
+        per_token = per_token * token_weights
     return (per_token * mask).sum(), stats
+
+
+LossType = Literal["dapo", "grpo", "dr_grpo"]
 
 
 @dataclass
@@ -84,13 +102,19 @@ class GroupRelativePolicy:
     epsilon_high: float | None = None
     beta: float = 0.0
     reference: nn.Module | None = None  # frozen starting model: the KL anchor (needed only to log or use KL)
+    temperature: float = 1.0  # the rollouts' sampling temperature: log-probs are of softmax(logits / T)
+    loss_type: LossType = "dapo"
+    max_new_tokens: int = 1  # dr_grpo's constant: the longest answer a rollout may give
+    kl_ratio_correction: bool = True  # the KL term times the ratio (TRL's use_bias_correction_kl default)
     stats: dict[str, float] = field(default_factory=dict)
 
     def weight(self, batch: RolloutBatch) -> int:
-        return int((batch.targets != IGNORE_INDEX).sum())
+        if self.loss_type == "dapo":
+            return int((batch.targets != IGNORE_INDEX).sum())
+        return int(batch.targets.shape[0]) * (self.max_new_tokens if self.loss_type == "dr_grpo" else 1)
 
     def _token_logps(self, model: nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
-        logits = model(batch.inputs.to(device)).float()
+        logits = model(batch.inputs.to(device)).float() / self.temperature
         targets = batch.targets.to(device)
         return torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
 
@@ -101,8 +125,11 @@ class GroupRelativePolicy:
         if self.reference is not None:
             with torch.no_grad():
                 ref = self._token_logps(self.reference, batch, device)
+        # grpo: each answer's tokens weigh 1 / its length, so the sum over a micro-batch is the sum of answer means
+        per_answer = 1.0 / mask.sum(-1, keepdim=True).clamp_min(1) if self.loss_type == "grpo" else None
         total, st = grpo_token_loss(logps, batch.old_logps.to(device), batch.advantages.to(device), mask,
-                                    self.epsilon, self.epsilon_high, self.beta, ref)
+                                    self.epsilon, self.epsilon_high, self.beta, ref, token_weights=per_answer,
+                                    kl_ratio_correction=self.kl_ratio_correction)
         for k, v in st.items():
             self.stats[k] = self.stats.get(k, 0.0) + float(v)
         self.stats["tokens"] = self.stats.get("tokens", 0.0) + float(mask.sum())

@@ -1,6 +1,7 @@
 """GRPO's rollout engine is the serving engine: its greedy answers match our model's, pushing new
 weights changes its generations (and resets the prefix cache), pushing the old ones back restores
-them; sampled rollouts carry the behaviour policy's log-probs."""
+them; sampled rollouts carry the behaviour policy's log-probs: those of the distribution sampled from,
+softmax(logits / temperature) (the engine's processed_logprobs), which GRPO's ratio needs."""
 
 import pytest
 import torch
@@ -53,10 +54,11 @@ def test_weights_pushed_to_the_engine_change_its_generations(setup):
     assert [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)] == first
 
 
-def test_sampled_groups_carry_logprobs(setup):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_groups_carry_logprobs(setup, temperature):
     cfg, engine, a, _, prompts = setup
     engine.update_weights(a)
-    groups = engine.generate(prompts[:2], 3, 5, temperature=1.0, seed=7)
+    groups = engine.generate(prompts[:2], 3, 5, temperature=temperature, seed=7)
     assert [len(g) for g in groups] == [3, 3]
     r = groups[1][2]
     assert r.prompt_ids == prompts[1] and len(r.logprobs) == len(r.completion_ids) >= 1
@@ -64,7 +66,7 @@ def test_sampled_groups_carry_logprobs(setup):
     model.load_state_dict(a)
     with torch.no_grad():
         seq = torch.tensor([r.prompt_ids + r.completion_ids])
-        lp = torch.log_softmax(model(seq[:, :-1])[0], -1)
+        lp = torch.log_softmax(model(seq[:, :-1])[0] / temperature, -1)
     p = len(r.prompt_ids)
     ours = [lp[p - 1 + i, t].item() for i, t in enumerate(r.completion_ids)]
     assert r.logprobs == pytest.approx(ours, abs=1e-4)
