@@ -89,9 +89,10 @@ class DPOConfig(PosttrainStepConfig):
     global_batch_size: int = Field(16, ge=1)
     beta: float = Field(0.1, gt=0, description="strength of the implicit KL to the reference")
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo (Azar et al. 2023)")
-    rpo_alpha: float | None = Field(None, ge=0, description="adds rpo_alpha x the chosen answer's per-token NLL "
-                                    "(RPO, Pang et al. 2024; TRL's rpo_alpha): DPO alone lowers both answers' "
-                                    "likelihoods as it separates them")
+    rpo_alpha: float | None = Field(None, ge=0, description="adds rpo_alpha x each chosen answer's mean per-token "
+                                    "NLL (RPO, Pang et al. 2024): DPO alone lowers both answers' likelihoods as it "
+                                    "separates them. TRL's loss_type 'sft' term averages all chosen tokens of the "
+                                    "batch instead, which weighs long answers more")
     preference_pairs: int | None = Field(None, ge=1, description="held-out pairs (each held-out problem against its "
                                          "6 near misses, off by 1-3) on which preference accuracy is measured; "
                                          "None = all of them")

@@ -1,7 +1,10 @@
-"""Our GRPO loss against TRL's own (trl.GRPOTrainer._compute_loss, TRL 1.16) on the same model, batch,
-behaviour and reference log-probs: every loss_type (dapo, grpo, dr_grpo) at a sampling temperature that
-is not 1, with clip-higher and the KL term. The model is ours exported to the Hugging Face layout, which
-TRL loads; the loss and the gradient of every weight (mapped to Hugging Face names) must agree to 1e-5."""
+"""Our post-training losses against TRL's own (TRL 1.16's trainers' `_compute_loss`) on the same model and
+batch. The model is ours exported to the Hugging Face layout, which TRL loads, with a perturbed reference;
+the loss and the gradient of every weight (mapped to Hugging Face names) must agree to 1e-5.
+- GRPO, every loss_type (dapo, grpo, dr_grpo) at a sampling temperature that is not 1, with clip-higher and
+  the KL term, on the same behaviour log-probs.
+- DPO, sigmoid and IPO. (Our rpo_alpha term is the chosen answers' per-answer mean NLL; TRL's "sft" term
+  averages all chosen tokens of the batch, so the two differ when lengths do: not compared.)"""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import torch
 from fixtures.trainer_data import tiny_config
 from stages.export import hf as hf_layout
 from trainer.model import Transformer
+from trainer.loss import IGNORE_INDEX
+from trainer.objectives.dpo import DirectPreference, PairBatch
 from trainer.objectives.grpo import GroupRelativePolicy, Rollout, rollout_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -37,15 +42,33 @@ def models(tmp_path_factory):
     return cfg, policy, reference, folder, hf_layout.to_hf_state_dict(reference.state_dict(), cfg, arch, torch.float32)
 
 
-def _trl_trainer(folder, loss_type: str, vocab: int, tmp_path):
-    from datasets import Dataset
+def _tokenizer(vocab: int):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+
+
+def _grads_in_hf_names(model, cfg) -> dict[str, torch.Tensor]:
+    arch = hf_layout.hf_architecture(cfg)
+    return hf_layout.to_hf_state_dict({k: p.grad for k, p in model.named_parameters()}, cfg, arch, torch.float32)
+
+
+def _assert_same(our_loss, our_grads, trl_loss, trl_model):
+    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
+    assert our_loss.abs().item() > 1e-3
+    trl_grads = {k: p.grad for k, p in trl_model.named_parameters() if p.grad is not None}
+    assert set(our_grads) == set(trl_grads)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _trl_trainer(folder, loss_type: str, vocab: int, tmp_path):
+    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)},
-                                                                                unk_token="t0")),
-                                  pad_token="t0", eos_token="t1")
+    tok = _tokenizer(vocab)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), loss_type=loss_type, beta=BETA, temperature=TEMPERATURE,
                       epsilon=EPS, epsilon_high=EPS_HIGH, max_completion_length=MAX_NEW, num_generations=4,
                       per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False)
@@ -78,8 +101,7 @@ def test_our_grpo_loss_and_gradients_equal_trls(models, loss_type, tmp_path):
     assert 0 < ours.stats["clipped"] < sum(COMPLETIONS)
     our_loss = part.ce_sum / ours.weight(batch)  # what the training loop divides by (one micro-batch, one rank)
     our_loss.backward()
-    arch = hf_layout.hf_architecture(cfg)
-    our_grads = hf_layout.to_hf_state_dict({k: p.grad for k, p in policy.named_parameters()}, cfg, arch, torch.float32)
+    our_grads = _grads_in_hf_names(policy, cfg)
 
     trainer = _trl_trainer(folder, loss_type, cfg.vocab_size, tmp_path)
     trainer.model.train()
@@ -100,9 +122,44 @@ def test_our_grpo_loss_and_gradients_equal_trls(models, loss_type, tmp_path):
     trl_loss = trainer._compute_loss(trainer.model, inputs)
     trl_loss.backward()
 
-    assert our_loss.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
-    assert our_loss.abs().item() > 1e-3
-    trl_grads = {k: p.grad for k, p in trainer.model.named_parameters() if p.grad is not None}
-    assert set(our_grads) == set(trl_grads)
-    for name, grad in our_grads.items():
-        torch.testing.assert_close(grad, trl_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same(our_loss, our_grads, trl_loss, trainer.model)
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_our_dpo_loss_and_gradients_equal_trls(models, kind, tmp_path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    cfg, policy, reference, folder, ref_hf = models
+    policy = copy.deepcopy(policy)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 4)]
+    chosen = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (4, 2)]
+    rejected = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in (1, 3)]
+    rows = [(p, a) for p, a in zip(prompts, chosen)] + [(p, a) for p, a in zip(prompts, rejected)]
+    L = max(len(p) + len(a) for p, a in rows)
+    input_ids = torch.zeros(len(rows), L, dtype=torch.long)
+    attention = torch.zeros(len(rows), L, dtype=torch.long)
+    completion = torch.zeros(len(rows), L, dtype=torch.long)
+    targets = torch.full((len(rows), L - 1), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, a) in enumerate(rows):
+        n = len(p) + len(a)
+        input_ids[i, :n], attention[i, :n], completion[i, len(p):n] = torch.tensor(p + a), 1, 1
+        targets[i, len(p) - 1:n - 1] = torch.tensor(a)
+
+    ours = DirectPreference(beta=0.1, kind=kind, reference=reference)
+    batch = PairBatch(inputs=input_ids[:, :-1], targets=targets, rows=torch.arange(len(rows)).numpy())
+    part = ours.loss(policy, batch, torch.device("cpu"))
+    our_loss = part.ce_sum / ours.weight(batch)
+    our_loss.backward()
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[kind], report_to=[], use_cpu=True,
+                     bf16=False, per_device_train_batch_size=2)
+    trainer = DPOTrainer(model=str(folder), args=args, processing_class=_tokenizer(cfg.vocab_size),
+                         train_dataset=Dataset.from_list([{"prompt": "t2", "chosen": "t3", "rejected": "t4"}] * 2))
+    trainer.ref_model.load_state_dict(ref_hf, strict=False)
+    trainer.model.train()
+    trl_loss = trainer._compute_loss(trainer.model, {"input_ids": input_ids, "attention_mask": attention,
+                                                     "completion_mask": completion}, False)
+    trl_loss.backward()
+    _assert_same(our_loss, _grads_in_hf_names(policy, cfg), trl_loss, trainer.model)
