@@ -29,7 +29,7 @@ from infra.launch.job import JobResult, JobSpec
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
-from .lora import apply_lora, merged_state_dict, save_peft
+from .lora import apply_lora, lora_modules, merged_state_dict, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
 from .objectives import DirectPreference, GroupRelativePolicy, SupervisedFineTuning
@@ -153,6 +153,19 @@ class PosttrainJob:
     def current_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu").clone() for k, v in merged_state_dict(unwrap(self.model)).items()}
 
+    def weights_to_push(self) -> dict[str, torch.Tensor]:
+        """What the rollout engine needs after a step: only what a step can change when the engine copies
+        weights in place (the trainable parameters; with LoRA, the adapted layers' merged weights), else
+        every weight."""
+        if not getattr(self.engine, "copies_in_place", False):
+            return self.current_weights()
+        model = unwrap(self.model)
+        loras = lora_modules(model)
+        if loras:
+            return {f"{name}.weight": (m.weight + m.delta_weight().to(m.weight.dtype)).detach().to("cpu")
+                    for name, m in loras.items()}
+        return {k: p.detach().to("cpu").clone() for k, p in model.named_parameters() if p.requires_grad}
+
     # -- GRPO: rollouts ------------------------------------------------------------------------------
     def _generate(self, ids) -> tuple[list, list[list[float]], float]:
         s = self.sc
@@ -186,7 +199,7 @@ class PosttrainJob:
                 if pending is not None:
                     pending.result()  # the engine must be idle before its weights change
                 t0 = time.perf_counter()
-                self.engine.update_weights(self.current_weights())  # also resets its prefix cache
+                self.engine.update_weights(self.weights_to_push())  # also resets its prefix cache
                 push_s = time.perf_counter() - t0
         finally:
             if pool is not None:

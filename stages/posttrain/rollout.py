@@ -41,6 +41,11 @@ class ServingEngineRollouts:
                             text=o.text) for p, o in zip(flat, outs)]
         return [rollouts[i:i + samples] for i in range(0, len(rollouts), samples)]
 
+    @property
+    def copies_in_place(self) -> bool:
+        """update_weights may then be given only the tensors that changed (LLMEngine.update_weights)."""
+        return self.engine.model.weight_views() is not None
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.update_weights(hf_layout.to_hf_state_dict(state_dict, self.cfg, self.arch, torch.float32))
         self.pushes += 1

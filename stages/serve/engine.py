@@ -669,11 +669,14 @@ class LLMEngine:
             self.kv.pool.free(list(reversed(held.blocks)))  # tail blocks evicted first, as in KVCacheManager.free
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new weights (Hugging Face names) between generations (GRPO) and drop the prefix
-        cache, whose K/V were computed by the old weights."""
+        """New weights (Hugging Face names) between generations (GRPO): copied in place into the engine's
+        own tensors when it holds them densely, and then `state_dict` may be only the tensors that changed
+        (vLLM's in-place weight sync); otherwise every weight is reloaded. Drops the prefix cache, whose
+        K/V were computed by the old weights."""
         if self.has_unfinished():
             raise RuntimeError("update_weights() needs an idle engine (requests are in flight)")
-        self.model.load_weights(state_dict)
+        if not self.model.copy_weights(state_dict):
+            self.model.load_weights(state_dict)
         self.weights_version += 1
         for rid in list(self.held_kv):  # computed by the old weights: nothing to export any more
             self.release_held_kv(rid)

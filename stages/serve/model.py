@@ -360,6 +360,54 @@ class PagedLlama:
                 layer["down"] = get(p + "mlp.down_proj.weight", (H, s.intermediate_size))
             self.layers.append(layer)
 
+    def weight_views(self) -> dict[str, torch.Tensor] | None:
+        """Each Hugging Face tensor name -> the view of the engine's own tensor that holds it (q/k/v rows of
+        the fused qkv, gate/up rows of gate_up), so new values can be copied in place; None when some
+        weights are not plain dense tensors (MoE experts, quantized layers), which load_weights rebuilds."""
+        s = self.shape
+        if self.quantization_config or any(layer["moe"] is not None for layer in self.layers):
+            return None
+        H, d, kvh = s.hidden_size, s.head_dim, s.num_kv_heads
+        q, kv = s.num_heads * d, kvh * d
+        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        if self.lm_head is not self.embed:
+            views["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv, gate_up = layer["qkv"], layer["gate_up"]
+            views.update({p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
+                          p + "self_attn.v_proj.weight": qkv[q + kv:], p + "self_attn.o_proj.weight": layer["o"],
+                          p + "input_layernorm.weight": layer["attn_norm"],
+                          p + "post_attention_layernorm.weight": layer["mlp_norm"],
+                          p + "mlp.gate_proj.weight": gate_up[:s.intermediate_size],
+                          p + "mlp.up_proj.weight": gate_up[s.intermediate_size:], p + "mlp.down_proj.weight": layer["down"]})
+            if layer["qkv_bias"] is not None:
+                b = layer["qkv_bias"]
+                views.update({p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q:q + kv],
+                              p + "self_attn.v_proj.bias": b[q + kv:]})
+            for n in ("q_norm", "k_norm"):
+                if layer[n] is not None:
+                    views[p + f"self_attn.{n}.weight"] = layer[n]
+        return views
+
+    def copy_weights(self, sd: dict[str, torch.Tensor]) -> bool:
+        """Copy the given tensors (Hugging Face names; any subset) into the engine's own in place: nothing is
+        reallocated, so compiled steps and captured graphs keep their addresses. False (nothing copied) when
+        the engine cannot (weight_views is None); an unknown name or a wrong shape fails naming the tensor."""
+        views = self.weight_views()
+        if views is None:
+            return False
+        sd = {k.removeprefix("module."): v for k, v in sd.items()}
+        for name, t in sd.items():
+            if name not in views:
+                raise KeyError(f"the engine holds no tensor {name!r}")
+            if tuple(t.shape) != tuple(views[name].shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(views[name].shape)}")
+        with torch.no_grad():
+            for name, t in sd.items():
+                views[name].copy_(t)
+        return True
+
     def layer_weights(self, li: int, lora: LoRAStep | None = None) -> tuple[tuple, tuple]:
         """Layer `li`'s weights as the two tuples the pieces take: (attention in, attention out + MLP).
         With `lora`, the projections this step's adapters adapt come as LoRALinear (lora.py)."""

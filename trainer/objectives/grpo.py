@@ -44,7 +44,9 @@ class Rollout:
 
 class RolloutEngine(Protocol):
     """What GRPO needs from an inference engine: batched sampling with log-probs, and new weights (our
-    parameter names) between generations, which also drops any prefix cache."""
+    parameter names) between generations, which also drops any prefix cache. An engine whose
+    `copies_in_place` attribute is true copies them into its own tensors and is sent only what a step
+    changed; any other is sent every weight."""
 
     def generate(self, prompts: Sequence[list[int]], samples: int, max_new_tokens: int, temperature: float,
                  seed: int) -> list[list[Rollout]]: ...

@@ -70,3 +70,24 @@ def test_sampled_groups_carry_logprobs(setup, temperature):
     p = len(r.prompt_ids)
     ours = [lp[p - 1 + i, t].item() for i, t in enumerate(r.completion_ids)]
     assert r.logprobs == pytest.approx(ours, abs=1e-4)
+
+
+def test_weights_are_copied_in_place_and_a_subset_is_enough(setup):
+    """The engine keeps its tensors (same storage: compiled steps keep their addresses) and takes any subset
+    of the weights; pushing only the changed ones equals pushing all of them."""
+    cfg, engine, a, b, prompts = setup
+    engine.update_weights(a)
+    assert engine.copies_in_place
+    first = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    model = engine.engine.model
+    before = {n: t.data_ptr() for n, t in model.weight_views().items()}
+    changed = {k: v for k, v in b.items() if k.startswith("layers.1.")}  # as if only layer 1 were trained
+    engine.update_weights(changed)
+    assert {n: t.data_ptr() for n, t in model.weight_views().items()} == before
+    partial = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    assert partial != first  # the subset took effect
+    engine.update_weights(a)
+    engine.update_weights({**a, **changed})
+    assert [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)] == partial
+    with pytest.raises(KeyError, match="no tensor 'model.nonsense.weight'"):
+        engine.update_weights({"nonsense.weight": torch.zeros(1)})
