@@ -24,8 +24,7 @@ from .attention import attend, build_attention_metadata
 from .layer_pass import LayerPass, _rms_norm
 from .model import KVCacheTensors, PagedLlama
 from .request import Request
-from .sampling import processed_probs
-from .speculative import _budget
+from .speculative import _budget, draft_token
 
 
 def mtp_layer_weights(sd: dict[str, torch.Tensor], depth: int, model: PagedLlama) -> dict:
@@ -97,11 +96,8 @@ class MTPProposer:
                 feeds.append((r, n, start))
             logits = self._run_depth(depth, seqs)
             for row, (i, (r, n, start)) in enumerate(zip(active, feeds)):
-                if r.params.greedy:
-                    tok = int(logits[row].argmax())
-                else:
-                    q = processed_probs(logits[row:row + 1], r.params)[0]
-                    tok = int(torch.multinomial(q, 1, generator=r.generator))
+                tok, q = draft_token(logits[row:row + 1], r)
+                if q is not None:
                     probs[i].append(q)
                 r.spec_token_ids.append(tok)
                 while len(r.mtp_computed) < depth:

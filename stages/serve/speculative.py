@@ -62,6 +62,15 @@ def rejection_sample(
     return out
 
 
+def draft_token(logits_row: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
+    """A drafter's next token from its logits [1, V]: the argmax for a greedy request, else a draw from the
+    request's processed distribution q, returned too (rejection sampling needs it)."""
+    if req.params.greedy:
+        return int(logits_row[0].argmax()), None
+    q = processed_probs(logits_row, req.params)[0]
+    return int(torch.multinomial(q, 1, generator=req.generator)), q
+
+
 def _budget(req: Request, k: int, max_model_len: int) -> int:
     """Draft tokens worth proposing: never past max_tokens or the context length, and none for a
     request whose sampling reads its token history or a bias (penalties, min_tokens, logit_bias):
@@ -142,11 +151,8 @@ class DraftModelProposer:
             for row, i in enumerate(active):
                 r, k = todo[i]
                 starts[i] += len(feeds[i])
-                if r.params.greedy:
-                    tok = int(logits[row].argmax())
-                else:
-                    q = processed_probs(logits[row:row + 1], r.params)[0]
-                    tok = int(torch.multinomial(q, 1, generator=r.generator))
+                tok, q = draft_token(logits[row:row + 1], r)
+                if q is not None:
                     probs[i].append(q)
                 r.spec_token_ids.append(tok)
                 feeds[i] = [tok]
