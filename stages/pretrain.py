@@ -112,14 +112,25 @@ def wait_reporting_progress(ctx: StageContext, spec: JobSpec, handle, timeout: f
             if _completed(spec):
                 done_at = time.monotonic()
         elif time.monotonic() - done_at >= TEARDOWN_GRACE_S:
+            handle.cancel()  # a rank terminated in its shutdown prints its stacks (trainer.__main__.exit_within)
             log.warning("%s: completed (result.json written) but its processes were still running %.0f s later; "
-                        "cancelling them (their stacks are in %s)", spec.job_id, TEARDOWN_GRACE_S, handle.log_path)
-            handle.cancel()
+                        "cancelled them. Where they were:\n%s", spec.job_id, TEARDOWN_GRACE_S, _stacks(handle.log_path))
             return 0
         step = job_step(spec)
         if step is not None and step != reported and total > 0:
             ctx.report_progress(min(1.0, step / total), f"{spec.job_id}: step {step}/{total}")
             reported = step
+
+
+def _stacks(log_path: Path) -> str:
+    """The thread stacks faulthandler printed into a job's log (the job's scratch, and its log, go when the
+    stage succeeds)."""
+    if not log_path.exists():
+        return f"(no log at {log_path})"
+    lines = log_path.read_text(errors="replace").splitlines()
+    picked = [line for line in lines if line.startswith(("Thread 0x", "Current thread 0x", '  File "'))
+              and "torch/distributed/elastic" not in line]
+    return "\n".join(picked[-200:]) or f"(no stacks in {log_path})"
 
 
 def _completed(spec: JobSpec) -> bool:

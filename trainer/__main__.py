@@ -64,13 +64,15 @@ def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     Everything the job owes is written by then (result.json last), and a rank hung in its shutdown would
     keep its launcher waiting until the task's timeout: seen in CI once after a completed SFT job. A hang
     this cannot end (one in C that holds the GIL) is ended by the stage, which cancels a job whose
-    completed result.json is in (stages.pretrain.TEARDOWN_GRACE_S): SIGTERM then prints this rank's stacks."""
+    completed result.json is in (stages.pretrain.TEARDOWN_GRACE_S): SIGTERM then prints this rank's stacks,
+    whole (not chained to the default action, which would end the process mid-dump when a second SIGTERM
+    comes, from the agent and the launcher both), and the SIGKILL that follows every cancel ends it."""
     import faulthandler
     import os
     import signal
     import threading
 
-    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=False)
 
     def _leave() -> None:
         print(f"trainer: shutdown took over {grace_s:.0f}s; threads still running:", file=sys.stderr, flush=True)

@@ -93,7 +93,7 @@ def _print_retries(worker_log: Path, work: Path) -> None:
     """A task the worker retried (a clean lifecycle retries none) or a job cancelled after it completed
     (stuck in its shutdown): those lines and the jobs' logs, which CI shows beside any failing test."""
     lines = worker_log.read_text(errors="replace").splitlines()
-    retried = [line for line in lines if "Retry " in line or "cancelling them" in line]
+    retried = [line for line in lines if "Retry " in line or "cancelled them" in line]
     if retried:
         print("--- tasks retried, jobs cancelled ---", *retried, sep="\n")
         _print_job_logs(work, last=200)  # a cancelled rank's stacks come before its agent's own traceback
