@@ -418,3 +418,30 @@ def read_mtp_sidecar(model_dir: Path) -> tuple[int, dict[str, torch.Tensor]] | N
         raise ValueError(f"{model_dir / MTP_CONFIG}: not an eightfold MTP sidecar of version 1 ({described.get('format')!r}, "
                          f"version {described.get('version')!r})")
     return int(described["depth"]), load_file(str(model_dir / MTP_WEIGHTS))
+
+
+def write_reward_hf(trunk: dict[str, torch.Tensor], score: torch.Tensor, cfg: ModelConfig, out_dir: str | Path, *,
+                    dtype: str = "bfloat16", tokenizer_dir: str | Path | None = None,
+                    pad_token_id: int | None = None) -> dict[str, Any]:
+    """A reward model (trainer/objectives/reward.py) as the architecture's sequence-classification class
+    (LlamaForSequenceClassification, ...): the trunk's tensors without the LM head, `score.weight` [1, dim],
+    num_labels 1. transformers reads the reward at each row's last non-pad token, so config.json needs a
+    pad_token_id (the tokenizer's, else `pad_token_id`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    arch = hf_architecture(cfg)
+    tensors = {k: v for k, v in to_hf_state_dict(trunk, cfg, arch, DTYPES[dtype]).items() if k != "lm_head.weight"}
+    tensors["score.weight"] = score.detach().to("cpu", DTYPES[dtype]).reshape(1, cfg.dim).contiguous()
+    ids = special_token_ids(tok_dir)
+    if ids.get("pad_token_id") is None:
+        ids["pad_token_id"] = pad_token_id
+    if ids["pad_token_id"] is None:
+        raise ExportError("a reward model's config needs a pad_token_id (the tokenizer has none): pass pad_token_id")
+    files = write_safetensors(tensors, out, 4900 * 2**20)
+    config = hf_config(cfg, arch, dtype, ids)
+    config.update(architectures=[ARCH_CLASS[arch].replace("ForCausalLM", "ForSequenceClassification")], num_labels=1,
+                  tie_word_embeddings=False)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(tok_dir, out)
+    return {"architecture": config["architectures"][0], "files": files}

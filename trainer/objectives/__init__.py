@@ -3,12 +3,14 @@ units: target tokens, response tokens, preference pairs, completion tokens) and 
 device)` (the summed loss of one micro-batch as a TokenLoss). language_modelling.py: pretraining's
 next-token prediction. Post-training's keep the step's extra metrics for `pop_metrics()`: sft.py:
 response-only cross-entropy; dpo.py: DPO/IPO on chosen/rejected pairs; grpo.py: group-relative
-advantages and the clipped policy-gradient loss over rollouts."""
+advantages and the clipped policy-gradient loss over rollouts; reward.py: a reward model's Bradley-Terry
+loss on the same pairs."""
 
 from .dpo import DirectPreference, PairBatch, dpo_loss, sequence_logps
 from .grpo import GroupRelativePolicy, RolloutBatch, group_advantages, grpo_token_loss
 from .language_modelling import LanguageModelling
+from .reward import BradleyTerry, RewardModel
 from .sft import SupervisedFineTuning
 
-__all__ = ["DirectPreference", "GroupRelativePolicy", "LanguageModelling", "PairBatch", "RolloutBatch",
+__all__ = ["BradleyTerry", "DirectPreference", "RewardModel", "GroupRelativePolicy", "LanguageModelling", "PairBatch", "RolloutBatch",
            "SupervisedFineTuning", "dpo_loss", "group_advantages", "grpo_token_loss", "sequence_logps"]
