@@ -13,7 +13,7 @@ from prefect.runtime import flow_run
 from infra.config import load_config
 from infra.tracking import Tracker, flatten_params
 from infra.workspace import Workspace
-from stages.registry import STAGES, downstream, stage_order
+from stages.registry import STAGES, downstream, in_chain, stage_inputs, stage_order
 from tasks.ablations import log_prediction  # also installs the Prefect proxy runner for the ablations stage
 from tasks.health import health_task
 from tasks.stage import ArtifactRef, is_committed, resolve_upstream, submit_stage
@@ -47,7 +47,8 @@ def lifecycle(
     logger = get_run_logger()
     cfg = load_config(config, overrides or [])
     ws = Workspace.from_config(cfg)
-    selected = stage_order(stages)
+    # a post-training step off posttrain.chain's branches does not run, even when named
+    selected = [s for s in stage_order(stages) if in_chain(cfg, s)]
     check_runnable(cfg, selected)
     forced = set().union(*(downstream(s) for s in (force or []))) if force else set()
 
@@ -60,9 +61,10 @@ def lifecycle(
         tracker.log_params(parent, flatten_params(cfg.model_dump(mode="json")))
         for stage in selected:
             spec = STAGES[stage]
-            if any(i not in refs for i in spec.inputs):  # upstream not selected: use its latest artifact
+            names = stage_inputs(cfg, stage)
+            if any(i not in refs for i in names):  # upstream not selected: use its latest artifact
                 refs.update({k: v for k, v in resolve_upstream(cfg, stage).items() if k not in refs})
-            inputs = {name: refs[name] for name in spec.inputs}
+            inputs = {name: refs[name] for name in names}
             # a cache hit needs no healthy machine (and only training stages ask)
             if spec.trains and cfg.infra.health_check and (stage in forced or not is_committed(cfg, stage, inputs)):
                 health_task(config, overrides or [])

@@ -75,12 +75,13 @@ STAGES: dict[str, StageSpec] = {
             trains=True,
             lifecycle_stage="pretrain",
         ),
-        # post-training: three steps, each its own artifact reading the previous (stages/posttrain/stage.py)
+        # post-training: a step per artifact, each reading the one before it (stages/posttrain/stage.py); two
+        # branches from SFT, of which posttrain.chain picks one or both (chain_stages)
         *[
             StageSpec(
                 f"posttrain-{step}",
-                f"stages.posttrain.stage:run_{step}",
-                (upstream, "tokenizer", "tokens"),  # tokens: held-out perplexity, SFT's replayed pretraining rows
+                fn,
+                (*upstream, "tokenizer", "tokens"),  # tokens: held-out perplexity, SFT's replayed pretraining rows
                 lambda c, step=step: {"seed": c.seed, "model": _dump(c.model), "parallel": _dump(c.parallel),
                                       "task": _dump(c.posttrain.task), step: _dump(getattr(c.posttrain, step)),
                                       "heldout_ppl_rows": c.posttrain.heldout_ppl_rows,
@@ -88,13 +89,19 @@ STAGES: dict[str, StageSpec] = {
                 trains=True,
                 lifecycle_stage="posttrain",
             )
-            for step, upstream in (("sft", "pretrain"), ("dpo", "posttrain-sft"), ("grpo", "posttrain-dpo"))
+            for step, upstream, fn in (
+                ("sft", ("pretrain",), "stages.posttrain.stage:run_sft"),
+                ("dpo", ("posttrain-sft",), "stages.posttrain.stage:run_dpo"),
+                ("grpo", ("posttrain-dpo",), "stages.posttrain.stage:run_grpo"),
+                ("rm", ("posttrain-sft",), "stages.posttrain.reward_model:run_rm"),
+                ("ppo", ("posttrain-sft", "posttrain-rm"), "stages.posttrain.stage:run_ppo"),
+            )
         ],
         StageSpec(
             "export",
             "stages.export.stage:run",
-            # the whole model chain: export.source picks what ships, export.lineage exports the rest for evaluate
-            ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo", "tokenizer", "tokens"),
+            # every model of the chain's branches: export.source picks what ships, export.lineage exports the rest
+            ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo", "posttrain-ppo", "tokenizer", "tokens"),
             # posttrain.task: the held-out conversations chat models are checked on
             lambda c: {"model": _dump(c.model), "export": _dump(c.export), "task": _dump(c.posttrain.task), "seed": c.seed},
             lifecycle_stage="export",
@@ -109,6 +116,18 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("serve", "stages.serve.stage:run", ("export",), lambda c: _dump(c.serve), lifecycle_stage="serve"),
     ]
 }
+
+
+def in_chain(cfg: LifecycleConfig, stage: str) -> bool:
+    """Whether `posttrain.chain` runs this stage: a post-training step off the chain's branches does not."""
+    if not stage.startswith("posttrain-"):
+        return True
+    return stage.removeprefix("posttrain-") in cfg.posttrain.steps
+
+
+def stage_inputs(cfg: LifecycleConfig, stage: str) -> tuple[str, ...]:
+    """The stage's inputs that this config runs (export reads the models of the chain's branches only)."""
+    return tuple(i for i in STAGES[stage].inputs if in_chain(cfg, i))
 
 
 def stage_order(selected: list[str] | None = None) -> list[str]:

@@ -27,7 +27,7 @@ from infra.tracking import Tracker, flatten_params
 from infra.workspace import Workspace
 from stages.attempts import DivergenceBudgetSpent
 from stages.base import StageContext
-from stages.registry import STAGES
+from stages.registry import STAGES, stage_inputs
 
 LEASE_POLL_S = 2.0  # how often a run waiting for another's build of the same artifact looks again
 
@@ -84,7 +84,7 @@ def resolve_upstream(cfg: LifecycleConfig, stage: str, pinned: dict[str, str] | 
     """The latest committed artifact of each input stage (or the one pinned by fingerprint)."""
     ws = Workspace.from_config(cfg)
     refs = {}
-    for name in STAGES[stage].inputs:
+    for name in stage_inputs(cfg, stage):
         fp = (pinned or {}).get(name)
         art = find_artifact(ws.store, ws.experiment, name, fp) if fp else latest_artifact(ws.store, ws.experiment, name)
         if art is None:

@@ -1,13 +1,14 @@
-"""A post-training job (`spec.section` = "posttrain.sft" | "posttrain.dpo" | "posttrain.grpo"): the same
+"""A post-training job (`spec.section` = "posttrain.<sft|dpo|grpo|rm|ppo>"): the same
 model, parallel plan, optimizer, schedule and `train_step` as pretraining (seed: post-training "reuses
 the same training stack and parallelism"), with the batch source and objective of the sub-step.
 
 Inputs (name -> folder): `base` (model.safetensors with the trainer's names: the model this step
-starts from, also the frozen reference), `tokenizer` (with its chat template), `data` (train.jsonl).
-GRPO builds its rollout engine in this process from `posttrain.grpo.engine` ("module:factory", the
-serving engine by default) and scores answers with `posttrain.grpo.reward`.
-Output: model.safetensors (adapters merged), adapter/ (PEFT) when LoRA is on, metrics.jsonl,
-result.json (written by run_job)."""
+starts from, also the frozen reference), `tokenizer` (with its chat template), `data` (train.jsonl; PPO
+also heldout.jsonl), and for PPO `reward` (the reward model's model.safetensors: its critic starts there).
+GRPO and PPO build their rollout engine in this process from `posttrain.<step>.engine` ("module:factory",
+the serving engine by default); GRPO scores answers with `posttrain.grpo.reward`, PPO with the reward model.
+Output: model.safetensors (adapters merged; the reward model's is its trunk and `score.weight`, PPO's the
+policy alone), adapter/ (PEFT) when LoRA is on, metrics.jsonl, result.json (written by run_job)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from .job_io import OutputFolder, fetch_input
 from .lora import apply_lora, lora_modules, merged_state_dict, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
-from .objectives import DirectPreference, GroupRelativePolicy, SupervisedFineTuning
+from .objectives import (BradleyTerry, DirectPreference, GroupRelativePolicy, PolicyAndValue, ProximalPolicy,
+                         RewardModel, SupervisedFineTuning)
 from .objectives.grpo import rollout_batches
 from .optim import build_optimizer
 from .parallel import build_parallel_dims, parallelize
@@ -40,7 +42,8 @@ from .parallel.ddp import unwrap
 from .parallel.mesh import pick_device
 from .step import train_step
 
-STEPS = ("sft", "dpo", "grpo")
+STEPS = ("sft", "dpo", "grpo", "rm", "ppo")
+CHECKER = "stages.evaluate.task_family:check"  # PPO's rollout and held-out accuracy (the reward is the model's)
 
 
 def load_object(ref: str):
@@ -96,12 +99,22 @@ class PosttrainJob:
         torch.manual_seed(self.seed)
         base = Transformer(self.cfg.model).to(self.device)
         base.load_state_dict(load_weights(self.base_dir))
-        needs_ref = step == "dpo" or step == "grpo"
+        needs_ref = step in ("dpo", "grpo", "ppo")
         self.reference = copy.deepcopy(base).eval().requires_grad_(False) if needs_ref else None
         lora = self.sc.lora
         if lora.enabled:
             apply_lora(base, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        self.model = parallelize(base, self.dims, self.cfg.parallel, self.sc)
+        trained: torch.nn.Module = base
+        if step == "rm":  # the head's initial values come from the job's seed: the same on every rank
+            trained = RewardModel(base, self.cfg.model.dim).to(self.device)
+        elif step == "ppo":  # the actor and the critic (the reward model as it was trained), one module
+            if "reward" not in spec.inputs:
+                raise ValueError(f"job {spec.job_id}: PPO needs a 'reward' input (the reward model's weights)")
+            reward_dir = fetch_input(spec.inputs["reward"], spec.workdir, "reward", ep)
+            critic = self.reward_model(load_weights(reward_dir))
+            self.reward_scorer_model = self.reward_model(load_weights(reward_dir)).eval().requires_grad_(False)
+            trained = PolicyAndValue(base, critic)
+        self.model = parallelize(trained, self.dims, self.cfg.parallel, self.sc)
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
             if self.sc.activation_stats else None
         self.optimizer = build_optimizer(unwrap(self.model), self.sc)
@@ -123,12 +136,15 @@ class PosttrainJob:
             self.loader = pdata.ItemLoader(packed, global_batch_size=s.global_batch_size,
                                            micro_batch_size=s.micro_batch_size,
                                            collate=lambda ids: pdata.lm_batch(packed, ids), **dp)
-        elif step == "dpo":
+        elif step in ("dpo", "rm"):
             pairs = [pdata.encode_pair(self.tok, r) for r in rows]
-            self.objective = DirectPreference(beta=s.beta, kind=s.loss, rpo_alpha=s.rpo_alpha, reference=self.reference)
+            self.objective = BradleyTerry(center_rewards=s.center_rewards) if step == "rm" else \
+                DirectPreference(beta=s.beta, kind=s.loss, rpo_alpha=s.rpo_alpha, reference=self.reference)
             self.loader = pdata.ItemLoader(pairs, global_batch_size=s.global_batch_size,
                                            micro_batch_size=s.micro_batch_size,
                                            collate=lambda ids: pdata.pair_batch(pairs, ids, self.pad_id), **dp)
+        elif step == "ppo":
+            self._init_ppo(rows, data_dir, dp)
         else:
             for n, r in enumerate(rows, 1):
                 if "answer" not in r:
@@ -149,6 +165,56 @@ class PosttrainJob:
                                   tokenizer_dir=self.tokenizer_dir, workdir=Path(spec.workdir) / "engine",
                                   stop_token_ids=stop_token_ids(self.tok), device=self.device.type)
         self.step = 0
+
+    def reward_model(self, sd: dict[str, torch.Tensor]) -> RewardModel:
+        """A RewardModel (a fresh trunk of this config and its head) holding the reward model's weights."""
+        model = RewardModel(Transformer(self.cfg.model), self.cfg.model.dim)
+        model.load_state_dict(sd)
+        return model.to(self.device)
+
+    def _init_ppo(self, rows: list[dict], data_dir: Path, dp: dict) -> None:
+        from .posttrain_ppo import PPOBatches, RewardScorer
+
+        s = self.sc
+        for n, r in enumerate(rows, 1):
+            if "answer" not in r:
+                raise ValueError(f"PPO data row {n} has no `answer` (the checker's; the reward is the model's)")
+        self.prompts = [(pdata.prompt_ids(self.tok, r), str(r["answer"])) for r in rows]
+        if s.prompts_per_step % self.dims.dp:
+            raise ValueError(f"ppo.prompts_per_step={s.prompts_per_step} does not split over dp={self.dims.dp}")
+        per_rank = s.prompts_per_step // self.dims.dp
+        if (per_rank * s.samples_per_prompt) % s.minibatches:
+            raise ValueError(f"ppo: {per_rank * s.samples_per_prompt} rollouts per rank do not cut into "
+                             f"{s.minibatches} minibatches")
+        self.loader = pdata.ItemLoader(self.prompts, global_batch_size=s.prompts_per_step, micro_batch_size=per_rank,
+                                       collate=lambda ids: ids, **dp)
+        self.objective = ProximalPolicy(cliprange=s.cliprange, cliprange_value=s.cliprange_value, vf_coef=s.vf_coef,
+                                        temperature=s.temperature)
+        self.stop_ids = stop_token_ids(self.tok)
+        heldout_file = data_dir / "heldout.jsonl"
+        heldout = pdata.read_jsonl(heldout_file) if heldout_file.is_file() else []
+        self.engine = load_object(s.engine)(model_cfg=self.cfg.model, state_dict=self.policy_weights(),
+                                            tokenizer_dir=self.tokenizer_dir, workdir=Path(self.spec.workdir) / "engine",
+                                            stop_token_ids=self.stop_ids, device=self.device.type)
+        scorer = RewardScorer(self.reward_scorer_model, self.tok, self.pad_id, self.device)
+        self.ppo = PPOBatches(self, self.reference, scorer, rows, load_object(CHECKER), heldout)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """PPO's `steps` are rollout batches, each ppo_epochs x minibatches optimizer steps."""
+        s = self.sc
+        return s.steps * s.ppo_epochs * s.minibatches if self.step_name == "ppo" else s.steps
+
+    def policy_weights(self, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The language model's weights (trainer names): all of them, or PPO's actor without its critic."""
+        weights = self.current_weights() if weights is None else weights
+        if self.step_name != "ppo":
+            return weights
+        return {k.removeprefix("policy."): v for k, v in weights.items() if k.startswith("policy.")}
+
+    def push_weights(self) -> None:
+        """The policy's new weights into the rollout engine (which also resets its prefix cache)."""
+        self.engine.update_weights(self.policy_weights(self.weights_to_push()))
 
     def current_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu").clone() for k, v in merged_state_dict(unwrap(self.model)).items()}
@@ -199,7 +265,7 @@ class PosttrainJob:
                 if pending is not None:
                     pending.result()  # the engine must be idle before its weights change
                 t0 = time.perf_counter()
-                self.engine.update_weights(self.weights_to_push())  # also resets its prefix cache
+                self.push_weights()
                 push_s = time.perf_counter() - t0
         finally:
             if pool is not None:
@@ -208,26 +274,30 @@ class PosttrainJob:
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> JobResult:
         s = self.sc
+        n_steps = self.optimizer_steps
+        train_cfg = s if n_steps == s.steps else s.model_copy(update={"steps": n_steps})  # the lr schedule's length
         sink = MetricsSink(self.output.path, self.spec.tracking.uri, self.spec.tracking.run_id,
-                           total_steps=s.steps, enabled=self.rank == 0, sync=self.output.sync,
+                           total_steps=n_steps, enabled=self.rank == 0, sync=self.output.sync,
                            system_metrics_s=self.cfg.infra.system_metrics_s)
         trainable = sum(p.numel() for p in unwrap(self.model).parameters() if p.requires_grad)
         total = sum(p.numel() for p in unwrap(self.model).parameters())
         sink.log_params({"posttrain_step": self.step_name, "trainable_params": trainable, "total_params": total,
                         "replay_rows": self.replay})
-        batches = self._grpo_steps() if self.step_name == "grpo" else iter(self.loader)
+        rollouts = self.step_name in ("grpo", "ppo")
+        batches = self._grpo_steps() if self.step_name == "grpo" else iter(self.ppo) if self.step_name == "ppo" \
+            else iter(self.loader)
         last: dict[str, float] = {}
         status, message = "completed", ""
         try:
-            while self.step < s.steps:
+            while self.step < n_steps:
                 t0 = time.perf_counter()
                 item = next(batches)
-                micro, extra = item if self.step_name == "grpo" else (item, {})
-                logged = (self.step + 1) % s.log_every == 0 or self.step + 1 == s.steps
+                micro, extra = item if rollouts else (item, {})
+                logged = (self.step + 1) % s.log_every == 0 or self.step + 1 == n_steps
                 if logged and self.activations is not None:
                     self.activations.start()
                 t1 = time.perf_counter()
-                res = train_step(self.model, self.optimizer, micro, self.objective, s, self.step, self.device,
+                res = train_step(self.model, self.optimizer, micro, self.objective, train_cfg, self.step, self.device,
                                  self.dp_group)
                 train_s = time.perf_counter() - t1
                 acts = self.activations.finish() if logged and self.activations is not None else {}
@@ -253,10 +323,11 @@ class PosttrainJob:
         from safetensors.torch import save_file
 
         out = self.output.path
-        save_file({k: v.contiguous() for k, v in self.current_weights().items()}, str(out / "model.safetensors"),
+        save_file({k: v.contiguous() for k, v in self.policy_weights().items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt", "posttrain_step": self.step_name})
-        if self.sc.lora.enabled:
-            save_peft(unwrap(self.model), out / "adapter")
+        model = unwrap(self.model)
+        if self.sc.lora.enabled and self.step_name != "rm":  # the reward model ships merged only
+            save_peft(model.policy if self.step_name == "ppo" else model, out / "adapter")
         print(f"posttrain.{self.step_name}: saved {out / 'model.safetensors'}", file=sys.stderr)
 
 

@@ -1,6 +1,7 @@
-"""`posttrain:` the seed's post-training chapter as three sub-steps, SFT -> DPO -> GRPO, each with its own
-training settings (a TrainConfig with post-training defaults), optional LoRA, and the verifiable task
-whose held-out accuracy is reported before and after every step.
+"""`posttrain:` the seed's post-training chapter as sub-steps from one SFT model, in two branches (`chain`):
+SFT -> DPO -> GRPO, and classic RLHF, SFT -> reward model -> PPO. Each step has its own training settings
+(a TrainConfig with post-training defaults), optional LoRA, and the verifiable task whose held-out accuracy
+is reported before and after every step.
 
 The tiny defaults are sized so the three steps take a few minutes on 2 CPU cores."""
 
@@ -142,7 +143,76 @@ class GRPOConfig(PosttrainStepConfig):
         return self
 
 
+class RewardModelConfig(PosttrainStepConfig):
+    """The reward model of classic RLHF: the SFT model's trunk with a scalar head, trained with the
+    Bradley-Terry loss on the preference pairs DPO uses (chosen = right, rejected = a near miss)."""
+
+    steps: int = Field(60, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    center_rewards: float | None = Field(None, ge=0, description="adds c * (r_chosen + r_rejected)^2 so rewards "
+                                         "centre on 0 (TRL's center_rewards_coefficient; Eisenstein et al. 2023 "
+                                         "used 0.01)")
+    preference_pairs: int | None = Field(None, ge=1, description="held-out pairs (each held-out problem against its "
+                                         "6 near misses) on which pairwise accuracy is measured; None = all")
+    min_accuracy_z: float | None = Field(None, description="the stage fails unless held-out pairwise accuracy is more "
+                                         "than this many binomial standard errors above chance (0.5); None = reported")
+
+
+class PPOConfig(PosttrainStepConfig):
+    """PPO against the reward model (Ouyang et al. 2022, as TRL's PPOTrainer): actor from SFT, critic from the
+    reward model, rollouts from the serving engine, per-token reward -kl_coef * (log pi - log pi_sft) with the
+    reward model's score on the last token, GAE, whitened advantages, clipped policy and value losses,
+    `ppo_epochs` passes of `minibatches` optimizer steps over each batch of rollouts."""
+
+    steps: int = Field(20, ge=1, description="rollout batches; each makes ppo_epochs * minibatches optimizer steps")
+    lr: float = Field(3e-5, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "wsd", "constant"] = "constant"
+    beta2: float = Field(0.999, gt=0, lt=1)
+    prompts_per_step: int = Field(32, ge=1, description="prompts sampled per rollout batch")
+    samples_per_prompt: int = Field(2, ge=1, description="completions per prompt")
+    micro_batch_size: int = Field(32, ge=1, description="completions per micro-batch")
+    global_batch_size: int = Field(32, ge=1, description="completions per optimizer step (one minibatch): "
+                                   "prompts_per_step * samples_per_prompt / minibatches")
+    minibatches: int = Field(2, ge=1, description="optimizer steps per pass over a rollout batch")
+    ppo_epochs: int = Field(2, ge=1, description="passes over each rollout batch (TRL's num_ppo_epochs)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; every log-prob is of softmax(logits / T)")
+    max_new_tokens: int = Field(6, ge=1)
+    cliprange: float = Field(0.2, gt=0, description="policy ratio clip")
+    cliprange_value: float = Field(0.2, gt=0, description="value prediction clip around the rollout's values")
+    vf_coef: float = Field(0.1, ge=0, description="weight of the value loss (TRL's default)")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    kl_coef: float = Field(0.05, ge=0, description="initial coefficient of the per-token KL penalty to the SFT model")
+    target_kl: float | None = Field(None, gt=0, description="adaptive KL (Ziegler et al. 2019): the coefficient moves "
+                                    "so the per-sequence KL tracks this target over kl_horizon samples; None = fixed")
+    kl_horizon: int = Field(10000, ge=1, description="samples over which the adaptive coefficient moves")
+    whiten_rewards: bool = Field(False, description="whiten the per-token rewards before GAE (TRL's whiten_rewards)")
+    missing_eos_penalty: float | None = Field(None, description="subtracted from the score of a completion that never "
+                                              "ends its turn (TRL's missing_eos_penalty)")
+    heldout_every: int = Field(5, ge=0, description="score greedy answers to the held-out prompts (the task's "
+                               "checker and the reward model) every N rollout batches (the stage scores the final model); 0 = never")
+    engine: str = Field("stages.posttrain.rollout:ServingEngineRollouts",
+                        description="module:factory of the rollout engine the trainer process builds")
+
+    @model_validator(mode="after")
+    def _batches(self) -> "PPOConfig":
+        total = self.prompts_per_step * self.samples_per_prompt
+        if total != self.global_batch_size * self.minibatches:
+            raise ValueError(f"ppo: prompts_per_step * samples_per_prompt = {total} must equal global_batch_size * "
+                             f"minibatches = {self.global_batch_size} * {self.minibatches}")
+        return self
+
+
+CHAINS = {"dpo-grpo": ("sft", "dpo", "grpo"), "rm-ppo": ("sft", "rm", "ppo"), "both": ("sft", "dpo", "grpo", "rm", "ppo")}
+
+
 class PosttrainConfig(Section):
+    chain: Literal["dpo-grpo", "rm-ppo", "both"] = Field(
+        "dpo-grpo", description="which post-training steps run from the SFT model: dpo-grpo (SFT -> DPO -> GRPO), "
+        "rm-ppo (classic RLHF: SFT -> reward model -> PPO) or both branches; export ships the last model of each")
     task: TaskConfig = Field(default_factory=TaskConfig)
     heldout_ppl_rows: int = Field(16, ge=1, description="held-out pretraining rows (the tokens artifact's val split) "
                                   "whose perplexity every step reports before and after")
@@ -153,3 +223,10 @@ class PosttrainConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The steps the chain runs, in order."""
+        return CHAINS[self.chain]

@@ -62,7 +62,7 @@ def lineage_caption(inputs: dict[str, Any]) -> str:
     if not shipped.get("source_step"):
         return ""
     chain = [*shipped.get("lineage", {}), shipped["source_step"]]
-    return (f"Rows: the lifecycle's models in order ({' -> '.join(chain)}), then the quantized variants of "
+    return (f"Rows: the lifecycle's models in order ({', '.join(chain)}), then the quantized variants of "
             f"`{shipped['source_step']}`, the model the export ships.")
 
 

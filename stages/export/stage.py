@@ -2,17 +2,19 @@
 INT4 RTN and AWQ in compressed-tensors layouts; GGUF for llama.cpp), every variant validated against the
 unquantized model, a size table, and every one of them a version in the MLflow model registry (registry.py).
 
-Inputs: the model chain `pretrain` -> `posttrain-sft` -> `posttrain-dpo` -> `posttrain-grpo` (each a
-trainer output folder: result.json naming the checkpoint, checkpoints/, or model.safetensors),
+Inputs: the model chain `pretrain` -> `posttrain-sft`, then its branches -> `posttrain-dpo` -> `posttrain-grpo`
+and -> `posttrain-ppo` (those posttrain.chain runs; each a trainer output folder: result.json naming the
+checkpoint, checkpoints/, or model.safetensors),
 `tokenizer` (tokenizer.json and friends, copied beside the weights), `tokens` (the packed splits: the
 `val/` rows give the perplexity check and the AWQ calibration activations). `export.source` picks the
-model that ships (default: the last of the chain present); with `export.lineage` every earlier model
-is exported unquantized too, so evaluate puts the whole lifecycle in one table.
+model that ships (default: the last of the chain present, GRPO's when both branches ran); with
+`export.lineage` every other model of the chain is exported unquantized too (PPO's, the other branch's
+last, among them), so evaluate puts the whole lifecycle in one table.
 Output folder:
   hf/                      config.json, generation_config.json, model-0000i-of-0000n.safetensors,
                            model.safetensors.index.json, tokenizer files
-  <step>/hf/               the earlier models of the chain (pretrain, sft, dpo), unquantized, validated alike
-  adapters/<step>/         a post-train step's LoRA adapter in PEFT format, against <previous step>/hf
+  <step>/hf/               the other models of the chain (pretrain, sft, ppo, dpo), unquantized, validated alike
+  adapters/<step>/         a post-train step's LoRA adapter in PEFT format, against <the step it started from>/hf
   quantized/<variant>/     the same layout with quantization_config (fp8, int8, int4, int4-awq) or model.gguf
   validation.json          per variant: perplexity, ratio, greedy agreement, logit diff, pass/fail
   size_table.md/.json      bytes per variant for this model and, from shapes, for configs/seed-1b.yaml
@@ -44,13 +46,17 @@ from .validate import (CheckData, VariantReport, build_reference, check_variant,
                        gguf_forward, our_forward, relative_diff, stored_weights, transformers_forward)
 
 SEED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "seed-1b.yaml"
-# The lifecycle's model chain, in order: (input name, short name used for folders and table rows).
-CHAIN = (("pretrain", "pretrain"), ("posttrain-sft", "sft"), ("posttrain-dpo", "dpo"), ("posttrain-grpo", "grpo"))
+# The lifecycle's models, each after the one it starts from: (input name, short name used for folders and table
+# rows). PPO's branch comes before DPO -> GRPO's, so "final" is GRPO's model when both branches ran.
+CHAIN = (("pretrain", "pretrain"), ("posttrain-sft", "sft"), ("posttrain-ppo", "ppo"), ("posttrain-dpo", "dpo"),
+         ("posttrain-grpo", "grpo"))
+PARENT = {"sft": "pretrain", "ppo": "sft", "dpo": "sft", "grpo": "dpo"}  # the model each step starts from
 
 
 def model_chain(inputs: dict[str, Any], source: str) -> tuple[tuple[str, str], list[tuple[str, str]]]:
-    """(the shipped model, the earlier models of the chain) as (input name, short name) pairs.
-    source "final" is the last chain input present; a named source must be among the inputs."""
+    """(the shipped model, the models exported beside it) as (input name, short name) pairs: source "final"
+    ships the last chain input present and exports every other; a named source (among the inputs) ships that
+    one and exports those before it."""
     present = [(name, short) for name, short in CHAIN if name in inputs]
     if not present:
         raise ValueError(f"the export stage needs a model input (one of {[n for n, _ in CHAIN]}); got {sorted(inputs)}")
@@ -67,7 +73,7 @@ def export_adapter(posttrain_dir: Path, short: str, prev: str, base: dict[str, t
                    merged: dict[str, torch.Tensor], cfg: ModelConfig, out: Path) -> dict[str, Any] | None:
     """A post-train step trained with LoRA left adapter/ (PEFT format, Hugging Face names) beside its merged
     model: checked against the pair (merged = base + scaling * B A) and shipped under adapters/<step>/ with
-    base_model_name_or_path pointing at the model it applies to (`prev`, the previous one of the chain).
+    base_model_name_or_path pointing at the model it applies to (`prev`, the one the step started from).
     None when the step trained without LoRA."""
     from .peft_adapter import find_adapter, write_peft_adapter
 
@@ -224,11 +230,11 @@ def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipp
                    log=print) -> tuple[list[VariantReport], dict[str, dict[str, Any]]]:
     """<step>/hf for each earlier model of the chain, each checked like hf/ against its own trained weights
     (the `hf` thresholds), so a conversion bug in any row of the evaluation table fails here first; and
-    each post-train step's LoRA adapter beside the model it applies to. Each model is loaded once."""
+    each post-train step's LoRA adapter beside the model it started from. Each model is loaded once."""
     reports: list[VariantReport] = []
     adapters: dict[str, dict[str, Any]] = {}
     th = ec.thresholds["hf"]
-    prev: tuple[str, dict[str, torch.Tensor]] | None = None
+    loaded: dict[str, dict[str, torch.Tensor]] = {}  # short name -> weights, for the adapters' base models
     for name, short in [*earlier, shipped]:
         if (name, short) == shipped:
             sd = shipped_sd
@@ -244,11 +250,13 @@ def export_lineage(inputs: dict[str, Any], earlier: list[tuple[str, str]], shipp
             log(f"export: {short}/hf: ppl {rep.ppl:.4g}, logit diff {rep.max_logit_diff:.3g} -> "
                 f"{'ok' if rep.passed else 'FAILED'}")
             reports.append(rep)
-        if prev is not None:
-            adapter = export_adapter(Path(inputs[name]), short, prev[0], prev[1], sd, cfg, out)
+        parent = PARENT.get(short)
+        if parent in loaded:
+            adapter = export_adapter(Path(inputs[name]), short, parent, loaded[parent], sd, cfg, out)
             if adapter is not None:
                 adapters[short] = adapter
-        prev = (short, sd)
+        if short in PARENT.values():
+            loaded[short] = sd
     return reports, adapters
 
 

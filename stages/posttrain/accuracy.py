@@ -59,8 +59,16 @@ def heldout_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokeni
     texts = engine.greedy(prompts, task.max_new_tokens)
     correct = [check(t, e.answer) for t, e in zip(texts, problems)]
     acc = sum(correct) / len(correct)
-    return {"accuracy": acc, "n": len(correct), "se": binomial_se(acc, len(correct)), "correct": correct,
+    return {"accuracy": acc, "n": len(correct), "se": binomial_se(acc, len(correct)), "correct": correct, "texts": texts,
             "samples": [{"prompt": e.prompt, "expected": e.answer, "got": t} for e, t in list(zip(problems, texts))[:8]]}
+
+
+def heldout_pairs(tok, task: TaskConfig, n_pairs: int | None, seed: int) -> list:
+    """Encoded held-out pairs: each held-out problem's right answer against every near miss (off by 1, 2 or
+    3 either way), up to n_pairs (None: all) in a fixed order."""
+    rows = [{"messages": user(e), "chosen": e.answer, "rejected": str(int(e.answer) + d)}
+            for d in (1, -1, 2, -2, 3, -3) for e in heldout(task, seed)][:n_pairs]
+    return [pdata.encode_pair(tok, r) for r in rows]
 
 
 @torch.no_grad()
@@ -74,9 +82,7 @@ def preference_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tok
 
     tok = pdata.load_tokenizer(tokenizer_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    rows = [{"messages": user(e), "chosen": e.answer, "rejected": str(int(e.answer) + d)}
-            for d in (1, -1, 2, -2, 3, -3) for e in heldout(task, seed)][:n_pairs]
-    pairs = [pdata.encode_pair(tok, r) for r in rows]
+    pairs = heldout_pairs(tok, task, n_pairs, seed)
     model = Transformer(model_cfg)
     model.load_state_dict(sd)
     model.eval()
@@ -88,3 +94,69 @@ def preference_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tok
         wins += (logps[:len(chunk)] > logps[len(chunk):]).tolist()
     acc = sum(wins) / len(wins)
     return {"accuracy": acc, "n": len(wins), "se": binomial_se(acc, len(wins)), "wins": wins}
+
+
+def load_reward_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A reward model's tensors (`trunk.*`, `score.weight`) from its artifact's model.safetensors, as saved
+    (not through the language-model loader, which keeps only a language model's names)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "model.safetensors" if Path(folder).is_dir() else Path(folder)
+    sd = load_file(str(path))
+    if "score.weight" not in sd:
+        raise ValueError(f"{path} is not a reward model: it has no score.weight")
+    return sd
+
+
+def reward_model(sd: dict[str, torch.Tensor], model_cfg: ModelConfig):
+    """A reward model (trainer/objectives/reward.py) holding `sd` (its trunk's and head's tensors)."""
+    from trainer.model import Transformer
+    from trainer.objectives.reward import RewardModel
+
+    model = RewardModel(Transformer(model_cfg), model_cfg.dim)
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+@torch.no_grad()
+def pairwise_accuracy(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
+                      n_pairs: int | None = None, seed: int = 0) -> dict:
+    """The reward model's held-out pairwise accuracy: share of held-out pairs (preference_accuracy's) where it
+    scores the right answer above the near miss, with the binomial standard error."""
+    from trainer.objectives.reward import whole_sequences
+
+    tok = pdata.load_tokenizer(tokenizer_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    pairs = heldout_pairs(tok, task, n_pairs, seed)
+    model = reward_model(sd, model_cfg)
+    wins: list[bool] = []
+    margins: list[float] = []
+    for start in range(0, len(pairs), 64):
+        chunk = pairs[start:start + 64]
+        tokens, last = whole_sequences(pdata.pair_batch(chunk, list(range(len(chunk))), pad))
+        r = model(tokens, last)
+        wins += (r[:len(chunk)] > r[len(chunk):]).tolist()
+        margins += (r[:len(chunk)] - r[len(chunk):]).tolist()
+    acc = sum(wins) / len(wins)
+    return {"accuracy": acc, "n": len(wins), "se": binomial_se(acc, len(wins)), "wins": wins,
+            "margin": sum(margins) / len(margins)}
+
+
+@torch.no_grad()
+def heldout_reward(sd: dict[str, torch.Tensor], model_cfg: ModelConfig, tokenizer_dir: Path, task: TaskConfig,
+                   answers: list[str], seed: int = 0) -> dict:
+    """The reward model's mean score of answers to the held-out problems (heldout_accuracy's greedy texts, in
+    its order), each scored as the conversation the template renders, with the standard error of the mean."""
+    from trainer.posttrain_ppo import RewardScorer
+
+    tok = pdata.load_tokenizer(tokenizer_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    problems = heldout(task, seed)
+    if len(answers) != len(problems):
+        raise ValueError(f"{len(answers)} answers for {len(problems)} held-out problems")
+    scores = RewardScorer(reward_model(sd, model_cfg), tok, pad, torch.device("cpu"))([user(e) for e in problems],
+                                                                                       answers).tolist()
+    n = len(scores)
+    mean = sum(scores) / n
+    var = sum((x - mean) ** 2 for x in scores) / (n - 1) if n > 1 else 0.0
+    return {"mean": mean, "se": math.sqrt(var / n), "n": n, "scores": scores}

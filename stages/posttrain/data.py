@@ -7,6 +7,7 @@ the `train` split, held-out accuracy only from `heldout`, so they never share a 
   sft.jsonl    {"messages": [user: prompt, assistant: answer]}
   dpo.jsonl    {"messages": [user: prompt], "chosen": answer, "rejected": a near-miss wrong answer}
   grpo.jsonl   {"messages": [user: prompt], "answer": answer}
+The reward model trains on DPO's pairs, PPO samples GRPO's prompts (its `answer` is only for the checker).
 """
 
 from __future__ import annotations
@@ -103,4 +104,5 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 
 def builtin_rows(step: str, task: TaskConfig, n: int, seed: int) -> list[dict]:
     examples = sample(all_problems(task, "train"), n, seed)
-    return {"sft": sft_rows, "dpo": lambda ex: dpo_rows(ex, seed), "grpo": grpo_rows}[step](examples)
+    pairs = lambda ex: dpo_rows(ex, seed)  # noqa: E731
+    return {"sft": sft_rows, "dpo": pairs, "rm": pairs, "grpo": grpo_rows, "ppo": grpo_rows}[step](examples)

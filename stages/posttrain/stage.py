@@ -6,14 +6,17 @@
      data/train.jsonl of its own artifact,
   4. launches a trainer job (section posttrain.<step>) with the configured launcher, like pretrain; SFT
      mixes `sft.replay_fraction` of pretraining rows into its batches,
-  5. scores both again after (DPO also preference accuracy before/after), logs all of it, and fails when
-     the perplexity rose past `posttrain.max_heldout_ppl_ratio` times the pretrained model's.
+  5. scores both again after (DPO also preference accuracy before/after, PPO the reward model's score of the
+     held-out answers before/after), logs all of it, and fails when the perplexity rose past
+     `posttrain.max_heldout_ppl_ratio` times the pretrained model's.
+The reward model (posttrain-rm, reward_model.py) is not a language model and is measured its own way.
 
-Why three registry stages (posttrain-sft -> posttrain-dpo -> posttrain-grpo) rather than one stage
-with sub-steps: each step is then its own content-addressed artifact (changing GRPO's settings re-runs
-only GRPO), and `eightfold stage posttrain-grpo` runs from the latest committed DPO artifact. A step
-with `enabled: false` passes its input model through, so the chain stays the same shape. `run(ctx)`
-runs the three in sub-folders of one output (a notebook's one call)."""
+Why a registry stage per step (posttrain-sft -> posttrain-dpo -> posttrain-grpo, posttrain-sft ->
+posttrain-rm -> posttrain-ppo) rather than one stage with sub-steps: each step is then its own
+content-addressed artifact (changing GRPO's settings re-runs only GRPO), and `eightfold stage posttrain-grpo`
+runs from the latest committed DPO artifact. A step with `enabled: false` passes its input model through, so
+the chain stays the same shape. `run(ctx)` runs posttrain.chain's steps in sub-folders of one output (a
+notebook's one call)."""
 
 from __future__ import annotations
 
@@ -31,11 +34,12 @@ from ..base import StageContext
 from ..export.merge import find_checkpoint, load_full_state_dict
 from ..job_tracking import fetch_output_file, job_tracking, replay_metrics
 from ..pretrain import launch_and_wait
-from .accuracy import heldout_accuracy, outcome_bits, paired_change, preference_accuracy
-from .data import builtin_rows, write_jsonl
+from .accuracy import heldout_accuracy, heldout_reward, load_reward_weights, outcome_bits, paired_change, preference_accuracy
+from .data import builtin_rows, grpo_rows, heldout, write_jsonl
 from .perplexity import LanguageModelLost, heldout_perplexity, heldout_rows, pretrained_perplexity
 
-UPSTREAM = {"sft": "pretrain", "dpo": "posttrain-sft", "grpo": "posttrain-dpo"}
+UPSTREAM = {"sft": "pretrain", "dpo": "posttrain-sft", "grpo": "posttrain-dpo", "ppo": "posttrain-sft"}
+EXTRA_INPUTS = {"ppo": ("posttrain-rm",)}  # PPO's reward model (and its critic's start)
 
 
 def load_upstream(folder: Path) -> dict:
@@ -65,22 +69,26 @@ def _job_inputs_prefix(ctx: StageContext, job_id: str) -> str:
     return f"{ctx.workspace.experiment}/jobs/{job_id}"
 
 
-def _job_inputs(ctx: StageContext, job_id: str, base: Path, data: Path) -> dict[str, str]:
+def _job_inputs(ctx: StageContext, job_id: str, base: Path, data: Path,
+                extra: dict[str, Path] | None = None) -> dict[str, str]:
     """URIs of the job's inputs. Outside a task, this machine's folders. In a task, store URIs only, so
     the job's nodes need no path of this machine: the base weights (merged here from the upstream
-    checkpoint) go to the store beside the job, the training data into the artifact itself, and the
-    tokenizer and replay rows are the committed artifacts'."""
+    checkpoint) and any `extra` folder (PPO's reward model) go to the store beside the job, the training
+    data into the artifact itself, and the tokenizer and replay rows are the committed artifacts'."""
+    extra = extra or {}
     if ctx.out_uri is None:
         return {"base": str(base.resolve()), "tokenizer": str(Path(ctx.inputs["tokenizer"]).resolve()),
-                "data": str(data.resolve()), "replay": str((Path(ctx.inputs["tokens"]) / "train").resolve())}
+                "data": str(data.resolve()), "replay": str((Path(ctx.inputs["tokens"]) / "train").resolve()),
+                **{k: str(v.resolve()) for k, v in extra.items()}}
     store = ctx.workspace.store
     prefix = _job_inputs_prefix(ctx, job_id)
-    store.put_dir(base, f"{prefix}/base")
+    for name, folder in {"base": base, **extra}.items():
+        store.put_dir(folder, f"{prefix}/{name}")
     data_uri = ctx.job_output("data")
     data_store, data_key = open_uri(data_uri, ctx.workspace.s3_endpoint_url)
     data_store.put_dir(data, data_key)
     return {"base": store.url(f"{prefix}/base"), "tokenizer": ctx.input_uris["tokenizer"], "data": data_uri,
-            "replay": f"{ctx.input_uris['tokens'].rstrip('/')}/train"}
+            "replay": f"{ctx.input_uris['tokens'].rstrip('/')}/train", **{k: store.url(f"{prefix}/{k}") for k in extra}}
 
 
 def _drop_job_inputs(ctx: StageContext, job_id: str) -> None:
@@ -88,12 +96,40 @@ def _drop_job_inputs(ctx: StageContext, job_id: str) -> None:
         ctx.workspace.store.delete(_job_inputs_prefix(ctx, job_id))
 
 
+def train_job(ctx: StageContext, step: str, sd: dict, scratch: Path,
+              extra: dict[str, Path] | None = None) -> tuple[Any, Path]:
+    """Launch the step's trainer job on `sd` and the data in out_dir/data/ (plus `extra` input folders), wait
+    for it, replay its metrics when its nodes could not log them, and fetch its model.safetensors:
+    (the job's result, that file here)."""
+    cfg = ctx.cfg
+    base = _save(sd, scratch / "base" / "model.safetensors").parent
+    spec = JobSpec(
+        job_id=scratch.name, stage=f"posttrain/{step}", section=f"posttrain.{step}",
+        config=cfg.model_dump(mode="json"),
+        inputs=_job_inputs(ctx, scratch.name, base, Path(ctx.out_dir) / "data", extra),
+        output=ctx.job_output(), workdir=str(scratch),
+        tracking=job_tracking(cfg, ctx.workspace.tracking_uri, ctx.workspace.experiment, ctx.run_id),
+        resume="none",
+    )
+    try:
+        result = launch_and_wait(ctx, spec)
+    finally:
+        _drop_job_inputs(ctx, scratch.name)
+    replay_metrics(spec, ctx.log_metrics)  # when the job's nodes could not reach the tracking store
+    model = fetch_output_file(spec, "model.safetensors")
+    if model is None:
+        raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no "
+                                "model.safetensors")
+    return result, model
+
+
 def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     cfg, pc = ctx.cfg, ctx.cfg.posttrain
     sc = getattr(pc, step)
     upstream = UPSTREAM[step]
-    if any(name not in ctx.inputs for name in (upstream, "tokenizer", "tokens")):
-        raise ValueError(f"posttrain-{step} needs inputs {upstream!r}, 'tokenizer' and 'tokens'; got {sorted(ctx.inputs)}")
+    needed = (upstream, *EXTRA_INPUTS.get(step, ()), "tokenizer", "tokens")
+    if any(name not in ctx.inputs for name in needed):
+        raise ValueError(f"posttrain-{step} needs inputs {', '.join(map(repr, needed))}; got {sorted(ctx.inputs)}")
     tok_dir = Path(ctx.inputs["tokenizer"])
     out = Path(ctx.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,37 +145,34 @@ def run_step(ctx: StageContext, step: str) -> dict[str, Any]:
     if step == "dpo":
         pref_before = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
         summary.update(preference_pairs_n=pref_before["n"], **_scored("preference_accuracy", pref_before, "before"))
-    after, pref_after = before, pref_before
+    rm_sd = reward_before = None
+    if step == "ppo":  # the reward model's score of the greedy answers, before and after
+        rm_sd = load_reward_weights(Path(ctx.inputs["posttrain-rm"]))
+        reward_before = heldout_reward(rm_sd, cfg.model, tok_dir, pc.task, before["texts"], cfg.seed)
+    after, pref_after, reward_after = before, pref_before, reward_before
     if not sc.enabled:
         _save(sd, out / "model.safetensors")
         summary.update(enabled=False)
     else:
-        data_file = write_jsonl(_training_rows(ctx, step), out / "data" / "train.jsonl")
-        base = _save(sd, scratch / "base" / "model.safetensors").parent
-        spec = JobSpec(
-            job_id=scratch.name, stage=f"posttrain/{step}", section=f"posttrain.{step}",
-            config=cfg.model_dump(mode="json"),
-            inputs=_job_inputs(ctx, scratch.name, base, data_file.parent),
-            output=ctx.job_output(), workdir=str(scratch),
-            tracking=job_tracking(cfg, ctx.workspace.tracking_uri, ctx.workspace.experiment, ctx.run_id),
-            resume="none",
-        )
-        try:
-            result = launch_and_wait(ctx, spec)
-        finally:
-            _drop_job_inputs(ctx, scratch.name)
-        replay_metrics(spec, ctx.log_metrics)  # when the job's nodes could not reach the tracking store
-        model = fetch_output_file(spec, "model.safetensors")
-        if model is None:
-            raise FileNotFoundError(f"posttrain-{step}: job {spec.job_id} completed but {spec.output} has no "
-                                    "model.safetensors")
+        write_jsonl(_training_rows(ctx, step), out / "data" / "train.jsonl")
+        extra = {}
+        if step == "ppo":  # the held-out prompts the job scores as it trains, and the reward model's weights
+            write_jsonl(grpo_rows(heldout(pc.task, cfg.seed)), out / "data" / "heldout.jsonl")
+            extra["reward"] = _save(rm_sd, scratch / "reward" / "model.safetensors").parent
+        result, model = train_job(ctx, step, sd, scratch, extra)
         sd = load_upstream(model.parent)
         after = heldout_accuracy(sd, cfg.model, tok_dir, pc.task, scratch / "eval-after", cfg.seed)
         summary.update({"steps": result.steps, "samples_after": after["samples"],
                         **{f"train_{k}": v for k, v in result.metrics.items()}})
         if step == "dpo":
             pref_after = preference_accuracy(sd, cfg.model, tok_dir, pc.task, sc.preference_pairs, cfg.seed)
+        if step == "ppo":
+            reward_after = heldout_reward(rm_sd, cfg.model, tok_dir, pc.task, after["texts"], cfg.seed)
     summary.update(_scored("heldout_accuracy", after, "after"))
+    if reward_before is not None:
+        summary.update(heldout_reward_before=reward_before["mean"], heldout_reward_before_se=reward_before["se"],
+                       heldout_reward_after=reward_after["mean"], heldout_reward_after_se=reward_after["se"],
+                       **_change("heldout_reward", reward_before["scores"], reward_after["scores"]))
     ppl_after = heldout_perplexity(sd, cfg.model, ppl_rows) if sc.enabled else ppl_before
     summary.update(heldout_ppl_after=ppl_after, heldout_ppl_ratio=ppl_after / summary["heldout_ppl_pretrained"],
                    max_heldout_ppl_ratio=pc.max_heldout_ppl_ratio)
@@ -185,15 +218,21 @@ def run_grpo(ctx: StageContext) -> dict[str, Any]:
     return run_step(ctx, "grpo")
 
 
+def run_ppo(ctx: StageContext) -> dict[str, Any]:
+    return run_step(ctx, "ppo")
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
-    """All three steps in order into out_dir/{sft,dpo,grpo}/ from inputs `pretrain`, `tokenizer` and `tokens`; the
-    final model is also copied to out_dir/model.safetensors (what export reads)."""
+    """posttrain.chain's steps in order into out_dir/<step>/ from inputs `pretrain`, `tokenizer` and `tokens`; the
+    last language model is also copied to out_dir/model.safetensors (what export reads)."""
+    from .reward_model import run_rm
+
     results: dict[str, Any] = {}
     inputs = dict(ctx.inputs)
-    for step in ("sft", "dpo", "grpo"):
-        sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=inputs, out_uri=None)
-        results[step] = run_step(sub, step)
-        inputs = {f"posttrain-{step}": Path(ctx.out_dir) / step, "tokenizer": ctx.inputs["tokenizer"],
-                  "tokens": ctx.inputs["tokens"]}
-    shutil.copy2(Path(ctx.out_dir) / "grpo" / "model.safetensors", Path(ctx.out_dir) / "model.safetensors")
+    for step in ctx.cfg.posttrain.steps:
+        sub = dataclasses.replace(ctx, out_dir=Path(ctx.out_dir) / step, inputs=dict(inputs), out_uri=None)
+        results[step] = run_rm(sub) if step == "rm" else run_step(sub, step)
+        inputs[f"posttrain-{step}"] = Path(ctx.out_dir) / step
+    last = [s for s in ctx.cfg.posttrain.steps if s != "rm"][-1]
+    shutil.copy2(Path(ctx.out_dir) / last / "model.safetensors", Path(ctx.out_dir) / "model.safetensors")
     return results

@@ -36,6 +36,11 @@ class RewardModel(nn.Module):
         picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]
         return self.score(picked.float()).squeeze(-1)
 
+    def values(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The head read at every position [B, S]: PPO's critic, V(prefix up to and including each token)."""
+        hidden = self.trunk(tokens, head=lambda h, _lm_head: h)
+        return self.score(hidden.float()).squeeze(-1)
+
 
 def last_positions(batch: PairBatch) -> torch.Tensor:
     """Each row's last token in `inputs`: the position whose target is the response's last token."""
