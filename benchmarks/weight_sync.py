@@ -1,6 +1,8 @@
 """GRPO's weight sync into the running rollout engine: today's full reload (every tensor converted to the
 Hugging Face layout and loaded, the fused qkv/gate_up rebuilt) against the in-place copy of the tensors a
-step changed (all trainable weights in full fine-tuning; the adapted projections' merged weights with LoRA).
+step changed (all trainable weights in full fine-tuning; the adapted projections' merged weights with LoRA),
+and, with LoRA, the adapter alone (written in PEFT's format and loaded as the engine's LoRA adapter, as
+vLLM's load_lora_adapter with load_inplace).
 Times the whole push as the trainer makes it (ServingEngineRollouts.update_weights), on random weights of
 the tiny config and of a wider model. Prints one JSON line per model and mode, with the median over
 `--repeats` pushes and the ratio against the full reload measured in the same run.
@@ -22,7 +24,7 @@ import torch
 
 from infra.config import load_config
 from stages.posttrain.rollout import ServingEngineRollouts
-from trainer.lora import apply_lora, lora_modules
+from trainer.lora import adapter_state_dict, apply_lora, lora_modules, save_peft
 from trainer.model import Transformer
 
 
@@ -60,12 +62,16 @@ def measure(name: str, model_cfg, repeats: int, work: Path) -> list[dict]:
 
     apply_lora(model, r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     adapted = {f"{n}.weight": (m.weight + m.delta_weight()).detach() for n, m in lora_modules(model).items()}
+    folder = work / f"{name}-adapter"
+    tensors = {"full_reload": len(full), "in_place_all": len(full), "in_place_lora_targets": len(adapted),
+               "lora_adapter": len(adapter_state_dict(model))}
     rows, base = [], _median_s(full_reload, repeats)
     for mode, push in (("full_reload", full_reload), ("in_place_all", lambda: engine.update_weights(full)),
-                       ("in_place_lora_targets", lambda: engine.update_weights(adapted))):
+                       ("in_place_lora_targets", lambda: engine.update_weights(adapted)),
+                       ("lora_adapter", lambda: engine.load_adapter(save_peft(model, folder)))):
         s = base if mode == "full_reload" else _median_s(push, repeats)
         rows.append({"benchmark": "weight_sync", "model": name, "params_m": round(sum(v.numel() for v in full.values()) / 1e6, 2),
-                     "mode": mode, "tensors": len(full) if mode != "in_place_lora_targets" else len(adapted),
+                     "mode": mode, "tensors": tensors[mode],
                      "median_ms": round(s * 1e3, 2), "speedup_vs_full_reload": round(base / s, 2)})
     return rows
 

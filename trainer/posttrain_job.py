@@ -213,7 +213,14 @@ class PosttrainJob:
         return {k.removeprefix("policy."): v for k, v in weights.items() if k.startswith("policy.")}
 
     def push_weights(self) -> None:
-        """The policy's new weights into the rollout engine (which also resets its prefix cache)."""
+        """The policy's new weights into the rollout engine (which also resets its prefix cache): with LoRA and
+        an engine that serves adapters, the adapter alone (its base weights are the step's starting model's,
+        which LoRA never changes); else the weights a step changed, or all of them."""
+        model = unwrap(self.model)
+        policy = model.policy if self.step_name == "ppo" else model
+        if self.sc.lora.enabled and getattr(self.engine, "serves_adapters", False):
+            self.engine.load_adapter(save_peft(policy, Path(self.spec.workdir) / "engine" / "adapter"))
+            return
         self.engine.update_weights(self.policy_weights(self.weights_to_push()))
 
     def current_weights(self) -> dict[str, torch.Tensor]:

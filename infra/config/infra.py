@@ -11,7 +11,7 @@ from .launch import KubernetesConfig, SlurmConfig
 
 # The lifecycle's tasks, as stages/registry.py names them (a test keeps the two lists equal).
 TASKS = ("data", "tokenizer", "tokens", "ablations", "pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo",
-         "export", "evaluate", "serve")
+         "posttrain-rm", "posttrain-ppo", "export", "evaluate", "serve")
 
 
 class InfraConfig(Section):

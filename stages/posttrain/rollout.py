@@ -2,7 +2,9 @@
 trainer/objectives/grpo.py's `RolloutEngine` interface (seed: "a fleet of inference engines ...
 generating rollouts. After each update the new weights are broadcast to the engines"). The engine
 loads the Hugging Face layout, so the starting weights are written once with stages/export/hf.py and
-every update is pushed as the same name mapping, which also resets its prefix cache."""
+every update is pushed as the same name mapping, which also resets its prefix cache. With LoRA the base
+weights never change: the trainer's adapter is loaded as the engine's LoRA adapter (`load_adapter`, vLLM's
+load_inplace) and every request runs with it, so a sync moves the factors alone."""
 
 from __future__ import annotations
 
@@ -30,13 +32,14 @@ class ServingEngineRollouts:
                                                      max_num_seqs=256, max_num_batched_tokens=2048,
                                                      logprobs_mode="processed_logprobs"))
         self.pushes = 0
+        self.lora_name: str | None = None  # the trainer's adapter, once one is loaded
 
     def generate(self, prompts: Sequence[list[int]], samples: int, max_new_tokens: int, temperature: float,
                  seed: int) -> list[list[Rollout]]:
         flat = [list(p) for p in prompts for _ in range(samples)]
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i, logprobs=0,
                                  stop_token_ids=self.stop_token_ids) for i in range(len(flat))]
-        outs = self.engine.generate(flat, params)
+        outs = self.engine.generate(flat, params, lora_name=self.lora_name)
         rollouts = [Rollout(prompt_ids=p, completion_ids=list(o.token_ids), logprobs=[lp.logprob for lp in o.logprobs],
                             text=o.text) for p, o in zip(flat, outs)]
         return [rollouts[i:i + samples] for i in range(0, len(rollouts), samples)]
@@ -50,6 +53,15 @@ class ServingEngineRollouts:
         self.engine.update_weights(hf_layout.to_hf_state_dict(state_dict, self.cfg, self.arch, torch.float32))
         self.pushes += 1
 
+    serves_adapters = True  # load_adapter: a LoRA trainer pushes its adapter alone
+
+    def load_adapter(self, folder: Path) -> None:
+        """The trainer's PEFT adapter (written to `folder`) as the adapter every later request runs with; the
+        engine salts its prefix cache per load, so no old entry is reused."""
+        self.engine.load_lora("policy", folder, replace=self.lora_name is not None)
+        self.lora_name = "policy"
+        self.pushes += 1
+
     def greedy(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[str]:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=self.stop_token_ids)
-        return [o.text for o in self.engine.generate([list(p) for p in prompts], params)]
+        return [o.text for o in self.engine.generate([list(p) for p in prompts], params, lora_name=self.lora_name)]

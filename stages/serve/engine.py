@@ -568,14 +568,16 @@ class LLMEngine:
 
     # -- in-process API --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion (continuous batching inside); outputs in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_name: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching inside); outputs in prompt order. `lora_name`: a
+        loaded LoRA adapter every prompt runs with."""
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine (requests are in flight)")
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.add_request(p, sp, lora_name=lora_name) for p, sp in zip(prompts, plist)]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for o in self.step(stream_interval=1 << 30):  # only final outputs are wanted here

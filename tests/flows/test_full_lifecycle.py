@@ -64,7 +64,8 @@ def micro_run(tmp_path_factory, postgres_url, s3_endpoint):  # noqa: F811
         cfg["infra"].update(store=f"s3://{bucket}/artifacts", s3_endpoint_url=s3_endpoint, tracking_uri=team.mlflow_url)
         cfg["parallel"].update(nnodes=2, nproc_per_node=1, dp=2)
         # a training job that hangs is cancelled and retried within minutes, not at the test's timeout
-        cfg["infra"]["task_timeout_s"] = {t: 300 for t in ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo")}
+        cfg["infra"]["task_timeout_s"] = {t: 300 for t in ("pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo",
+                                                          "posttrain-rm", "posttrain-ppo")}
         CONFIG = str(root / "micro-s3-two-nodes.yaml")
         Path(CONFIG).write_text(yaml.safe_dump(cfg))
         team.deploy(CONFIG)
@@ -188,10 +189,11 @@ def test_every_stage_ran_then_was_cached_and_is_in_s3(micro_run):
         assert [a.fingerprint for a in arts] == [built[stage]], stage
         assert arts[0].uri.startswith(micro_run.store + "/") and arts[0].manifest["files"], stage
     summary = json.loads((_folder(ws, "export", built["export"]) / "export.json").read_text())
-    assert summary["source"] == "posttrain-grpo" and set(summary["lineage"]) == {"pretrain", "sft", "dpo"}
+    # both branches (micro's posttrain.chain): GRPO's model ships, PPO's is exported beside it
+    assert summary["source"] == "posttrain-grpo" and set(summary["lineage"]) == {"pretrain", "sft", "ppo", "dpo"}
     table = json.loads((_folder(ws, "evaluate", built["evaluate"]) / "evaluation.json").read_text())
     rows = [r["variant"] for r in table["rows"]]
-    assert rows[:4] == ["pretrain", "sft", "dpo", "grpo"] and len(rows) > 4, rows
+    assert rows[:5] == ["pretrain", "sft", "ppo", "dpo", "grpo"] and len(rows) > 5, rows
 
 
 def test_every_run_is_in_mlflow(micro_run):

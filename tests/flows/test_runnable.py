@@ -14,7 +14,7 @@ MOE = "model.moe={num_experts: 4, top_k: 1, balance: %s}"
 
 def test_a_model_no_hugging_face_architecture_holds_is_refused_before_pretraining():
     cfg = load_config("tiny", [MOE % "bias"])
-    with pytest.raises(ValueError, match=r"balance=bias.*posttrain-sft, posttrain-dpo, posttrain-grpo, export"):
+    with pytest.raises(ValueError, match=r"balance=bias.*posttrain-sft, posttrain-dpo, posttrain-grpo, posttrain-rm, posttrain-ppo, export"):
         check_runnable(cfg, stage_order(None))
     check_runnable(cfg, stage_order(["data", "tokenizer", "tokens", "pretrain"]))  # pretraining alone is fine
     check_runnable(load_config("tiny", [MOE % "aux_loss"]), stage_order(None))

@@ -30,6 +30,11 @@ class RewardModel(nn.Module):
         self.trunk = trunk
         self.score = nn.Linear(dim, 1, bias=False)
         nn.init.normal_(self.score.weight, std=init_std)
+        # the language model's head takes no part (transformers' class has none): frozen, so no optimizer state
+        # is kept for it and data parallel waits for no gradient of it
+        head, embed = getattr(trunk, "lm_head", None), getattr(trunk, "embed_tokens", None)
+        if head is not None and (embed is None or head.weight is not embed.weight):
+            head.weight.requires_grad_(False)
 
     def forward(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(tokens, head=lambda h, _lm_head: h)  # the final-normed hidden states [B, S, D]

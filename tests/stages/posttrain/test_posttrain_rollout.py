@@ -91,3 +91,33 @@ def test_weights_are_copied_in_place_and_a_subset_is_enough(setup):
     assert [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)] == partial
     with pytest.raises(KeyError, match="no tensor 'model.nonsense.weight'"):
         engine.update_weights({"nonsense.weight": torch.zeros(1)})
+
+
+def test_a_lora_trainer_syncs_its_adapter_alone(setup, tmp_path):
+    """With LoRA the engine keeps the base weights and loads the trainer's adapter (PEFT files, a fraction of
+    the model's bytes); its generations are the merged model's, and a second load replaces the first."""
+    from trainer.lora import apply_lora, merged_state_dict, save_peft
+
+    cfg, engine, a, _, prompts = setup
+    engine.update_weights(a)
+    base = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    model = Transformer(cfg.model)
+    model.load_state_dict(a)
+    apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(3)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)  # a trained adapter: B is 0 only at the start
+    folder = save_peft(model, tmp_path / "adapter")
+    engine.load_adapter(folder)
+    adapted = [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)]
+    assert adapted != base
+    merged = merged_state_dict(model)
+    assert adapted[0] == _greedy_ours(cfg, merged, prompts[0], 6)[:len(adapted[0])]
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.zero_()  # B = 0: the adapter adds nothing
+    engine.load_adapter(save_peft(model, tmp_path / "adapter"))
+    assert [r[0].completion_ids for r in engine.generate(prompts, 1, 6, temperature=1e-6, seed=0)] == base
+    engine.lora_name = None
+    engine.engine.unload_lora("policy")
