@@ -30,6 +30,12 @@ class RewardModel(nn.Module):
         self.trunk = trunk
         self.score = nn.Linear(dim, 1, bias=False)
         nn.init.normal_(self.score.weight, std=init_std)
+        # The trunk's LM head takes no part in the reward (Hugging Face's class has none): frozen, it gets no
+        # gradient, optimizer state or decay, and data parallel neither waits for its gradient (DDP) nor
+        # updates it from a zero one (ZeRO-1). Tied to the embedding, it is the embedding: left trainable.
+        head, embedding = getattr(trunk, "lm_head", None), getattr(trunk, "embed_tokens", None)
+        if head is not None and (embedding is None or head.weight is not embedding.weight):
+            head.requires_grad_(False)
 
     def forward(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(tokens, head=lambda h, _lm_head: h)  # the final-normed hidden states [B, S, D]
