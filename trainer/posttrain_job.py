@@ -29,7 +29,7 @@ from infra.launch.job import JobResult, JobSpec
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
-from .lora import apply_lora, lora_modules, merged_state_dict, save_peft
+from .lora import apply_lora, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
 from .objectives import DirectPreference, GroupRelativePolicy, SupervisedFineTuning
@@ -37,6 +37,7 @@ from .objectives.grpo import rollout_batches
 from .optim import build_optimizer
 from .parallel import build_parallel_dims, parallelize
 from .parallel.ddp import unwrap
+from .parallel.gather import full_state_dict, trained_state_dict
 from .parallel.mesh import pick_device
 from .step import train_step
 
@@ -151,20 +152,17 @@ class PosttrainJob:
         self.step = 0
 
     def current_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu").clone() for k, v in merged_state_dict(unwrap(self.model)).items()}
+        """Every weight, whole, on the CPU (adapters merged). Collective under FSDP and tensor parallel: every
+        rank calls it (parallel/gather.py)."""
+        return full_state_dict(self.model)
 
     def weights_to_push(self) -> dict[str, torch.Tensor]:
         """What the rollout engine needs after a step: only what a step can change when the engine copies
         weights in place (the trainable parameters; with LoRA, the adapted layers' merged weights), else
-        every weight."""
+        every weight; whole, on the CPU, gathered on every rank (parallel/gather.py)."""
         if not getattr(self.engine, "copies_in_place", False):
             return self.current_weights()
-        model = unwrap(self.model)
-        loras = lora_modules(model)
-        if loras:
-            return {f"{name}.weight": (m.weight + m.delta_weight().to(m.weight.dtype)).detach().to("cpu")
-                    for name, m in loras.items()}
-        return {k: p.detach().to("cpu").clone() for k, p in model.named_parameters() if p.requires_grad}
+        return trained_state_dict(self.model)
 
     # -- GRPO: rollouts ------------------------------------------------------------------------------
     def _generate(self, ids) -> tuple[list, list[list[float]], float]:
