@@ -63,6 +63,19 @@ def cross_entropy_sum(
     return TokenLoss(ce_sum=ce_sum, z_sum=z_sum, tokens=mask.sum())
 
 
+def target_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, [B, S] in fp32 (DPO's and GRPO's log-probs). An ignored
+    target (negative) reads token 0's: callers mask those positions. Logits that are a DTensor split over
+    the vocabulary (tensor parallel) go to the vocab-parallel version, as in `cross_entropy_sum`."""
+    if getattr(logits, "placements", None) is not None:
+        from .parallel import vocab_parallel
+
+        if vocab_parallel.is_vocab_sharded(logits):
+            return vocab_parallel.target_logps(logits, targets)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+
 class HeadLoss:
     """The LM head and the token loss as one step, passed to the model as `model(tokens, head=...)`.
 

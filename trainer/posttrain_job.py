@@ -30,16 +30,17 @@ from infra.launch.job import JobResult, JobSpec
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
-from .lora import apply_lora, lora_modules, merged_state_dict, save_peft
+from .lora import apply_lora, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
 from .objectives import (BradleyTerry, DirectPreference, GroupRelativePolicy, PolicyAndValue, ProximalPolicy,
                          RewardModel, SupervisedFineTuning)
 from .objectives.grpo import rollout_batches
-from .optim import build_optimizer
 from .parallel import build_parallel_dims, parallelize
 from .parallel.ddp import unwrap
+from .parallel.gather import full_state_dict, trained_state_dict
 from .parallel.mesh import pick_device
+from .parallel.zero1 import build_parallel_optimizer
 from .step import train_step
 
 STEPS = ("sft", "dpo", "grpo", "rm", "ppo")
@@ -117,7 +118,8 @@ class PosttrainJob:
         self.model = parallelize(trained, self.dims, self.cfg.parallel, self.sc)
         self.activations = ActivationStats(unwrap(self.model), self.cfg.model.n_layers, self.device) \
             if self.sc.activation_stats else None
-        self.optimizer = build_optimizer(unwrap(self.model), self.sc)
+        # ZeRO-1 is the optimizer (parallel/zero1.py); otherwise the plain one, as pretraining builds it
+        self.optimizer = build_parallel_optimizer(unwrap(self.model), self.dims, self.cfg.parallel, self.sc)
         self.output = OutputFolder(spec.output, spec.workdir, ep, writer=self.rank == 0)
         rows = pdata.read_jsonl(data_dir / "train.jsonl")
         dp = dict(dp_rank=self.dims.rank("dp"), dp_size=self.dims.dp, seed=self.seed)
@@ -218,26 +220,24 @@ class PosttrainJob:
         which LoRA never changes); else the weights a step changed, or all of them."""
         model = unwrap(self.model)
         policy = model.policy if self.step_name == "ppo" else model
-        if self.sc.lora.enabled and getattr(self.engine, "serves_adapters", False):
+        sharded = any(getattr(p, "placements", None) is not None for p in model.parameters())  # FSDP: gather instead
+        if self.sc.lora.enabled and getattr(self.engine, "serves_adapters", False) and not sharded:
             self.engine.load_adapter(save_peft(policy, Path(self.spec.workdir) / "engine" / "adapter"))
             return
         self.engine.update_weights(self.policy_weights(self.weights_to_push()))
 
     def current_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu").clone() for k, v in merged_state_dict(unwrap(self.model)).items()}
+        """Every weight, whole, on the CPU (adapters merged). Collective under FSDP and tensor parallel: every
+        rank calls it (parallel/gather.py)."""
+        return full_state_dict(self.model)
 
     def weights_to_push(self) -> dict[str, torch.Tensor]:
         """What the rollout engine needs after a step: only what a step can change when the engine copies
         weights in place (the trainable parameters; with LoRA, the adapted layers' merged weights), else
-        every weight."""
+        every weight; whole, on the CPU, gathered on every rank (parallel/gather.py)."""
         if not getattr(self.engine, "copies_in_place", False):
             return self.current_weights()
-        model = unwrap(self.model)
-        loras = lora_modules(model)
-        if loras:
-            return {f"{name}.weight": (m.weight + m.delta_weight().to(m.weight.dtype)).detach().to("cpu")
-                    for name, m in loras.items()}
-        return {k: p.detach().to("cpu").clone() for k, p in model.named_parameters() if p.requires_grad}
+        return trained_state_dict(self.model)
 
     # -- GRPO: rollouts ------------------------------------------------------------------------------
     def _generate(self, ids) -> tuple[list, list[list[float]], float]:
@@ -321,16 +321,20 @@ class PosttrainJob:
             sink.close()
             if hasattr(batches, "close"):
                 batches.close()
-        if self.rank == 0 and status == "completed":
+        if status == "completed":
             self.save()
         return JobResult(status=status, steps=self.step, metrics={k: float(v) for k, v in last.items()},
                          message=message)
 
     def save(self) -> None:
+        """Every rank gathers the weights (collective under FSDP and tensor parallel); rank 0 writes them."""
         from safetensors.torch import save_file
 
+        weights = self.policy_weights()
+        if self.rank != 0:
+            return
         out = self.output.path
-        save_file({k: v.contiguous() for k, v in self.policy_weights().items()}, str(out / "model.safetensors"),
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt", "posttrain_step": self.step_name})
         model = unwrap(self.model)
         if self.sc.lora.enabled and self.step_name != "rm":  # the reward model ships merged only

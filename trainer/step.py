@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from infra.config.train import TrainConfig
 
@@ -133,6 +135,21 @@ class LocalPasses:
         return packed[:n], list(packed[n:].split([x.numel() for x in loads])) if loads else []
 
 
+def check_gradients_are_averaged(model: nn.Module, optimizer, group) -> None:
+    """Ranks of one data group must average their gradients (DDP, FSDP2 or ZeRO-1 does it). A plain optimizer
+    on an unwrapped model would let each rank train on its own micro-batches and the replicas drift apart
+    without an error: refused (e.g. parallel.zero=1 with trainer.optim.build_optimizer, where
+    parallel.zero1.build_parallel_optimizer is needed)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    if isinstance(model, (DistributedDataParallel, FSDPModule)) or isinstance(optimizer, DistributedOptimizer):
+        return
+    raise ValueError(
+        f"train_step: {dist.get_world_size(group)} data-parallel ranks, but neither the model ({type(model).__name__}: "
+        f"not DDP or FSDP) nor the optimizer ({type(optimizer).__name__}: not ZeRO-1's DistributedOptimizer) "
+        "averages their gradients; build the optimizer with parallel.zero1.build_parallel_optimizer")
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -151,6 +168,8 @@ def train_step(
     passes: MicroBatchPasses = PipelinePasses(inner) if is_pipelined(inner) else LocalPasses(model, dp_group)
     model.train()
     group = passes.data_group
+    if not is_pipelined(inner):
+        check_gradients_are_averaged(model, optimizer, group)
     data_size = dist.get_world_size(group) if group is not None else 1
     tokens = torch.tensor(float(sum(objective.weight(mb) for mb in micro_batches)), device=device)
     if group is not None:

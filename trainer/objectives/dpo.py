@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import MicroBatch
-from ..loss import IGNORE_INDEX, TokenLoss
+from ..loss import IGNORE_INDEX, TokenLoss, target_logps
 
 
 @dataclass
@@ -33,9 +33,7 @@ class PairBatch(MicroBatch):
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of log p(target) over each row's non-ignored targets, and the count: ([B], [B])."""
     mask = targets != IGNORE_INDEX
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    return (picked * mask).sum(-1), mask.sum(-1)
+    return (target_logps(logits, targets) * mask).sum(-1), mask.sum(-1)
 
 
 def dpo_loss(pol_chosen: torch.Tensor, pol_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..data import MicroBatch
-from ..loss import IGNORE_INDEX, TokenLoss
+from ..loss import IGNORE_INDEX, TokenLoss, target_logps
 
 
 @dataclass
@@ -117,8 +117,7 @@ class GroupRelativePolicy:
 
     def _token_logps(self, model: nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
         logits = model(batch.inputs.to(device)).float() / self.temperature
-        targets = batch.targets.to(device)
-        return torch.log_softmax(logits, -1).gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        return target_logps(logits, batch.targets.to(device))
 
     def loss(self, model: nn.Module, batch: RolloutBatch, device: torch.device) -> TokenLoss:
         mask = batch.targets.to(device) != IGNORE_INDEX

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import MicroBatch
-from ..loss import IGNORE_INDEX, TokenLoss
+from ..loss import IGNORE_INDEX, TokenLoss, target_logps
 from .reward import RewardModel
 
 
@@ -37,7 +37,7 @@ class PolicyAndValue(nn.Module):
         self.policy, self.value = policy, value
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.policy(tokens), self.value.values(tokens)
+        return self.policy(tokens), self.value(tokens)
 
 
 @dataclass
@@ -52,9 +52,9 @@ class PPOBatch(MicroBatch):
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T) of each target [B, S] (0-filled where the target is ignored)."""
-    logp = torch.log_softmax(logits.float() / temperature, -1)
-    return logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE_INDEX)
+    """log softmax(logits / T) of each target [B, S] (0-filled where the target is ignored; vocab-parallel
+    logits under tensor parallel, loss.target_logps)."""
+    return target_logps(logits.float() / temperature, targets) * (targets != IGNORE_INDEX)
 
 
 def per_token_rewards(scores: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,

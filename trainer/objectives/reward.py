@@ -30,21 +30,22 @@ class RewardModel(nn.Module):
         self.trunk = trunk
         self.score = nn.Linear(dim, 1, bias=False)
         nn.init.normal_(self.score.weight, std=init_std)
-        # the language model's head takes no part (transformers' class has none): frozen, so no optimizer state
-        # is kept for it and data parallel waits for no gradient of it
-        head, embed = getattr(trunk, "lm_head", None), getattr(trunk, "embed_tokens", None)
-        if head is not None and (embed is None or head.weight is not embed.weight):
-            head.weight.requires_grad_(False)
+        # The trunk's LM head takes no part in the reward (Hugging Face's class has none): frozen, it gets no
+        # gradient, optimizer state or decay, and data parallel neither waits for its gradient (DDP) nor
+        # updates it from a zero one (ZeRO-1). Tied to the embedding, it is the embedding: left trainable.
+        head, embedding = getattr(trunk, "lm_head", None), getattr(trunk, "embed_tokens", None)
+        if head is not None and (embedding is None or head.weight is not embedding.weight):
+            head.requires_grad_(False)
 
-    def forward(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Rewards [B] read at the positions `last` [B]; without `last`, the head at every position [B, S]
+        (PPO's critic: V of the prefix up to and including each token). Always through forward, so the hooks
+        a parallel layout puts on it run (ZeRO-1's wait for the gathered weights)."""
         hidden = self.trunk(tokens, head=lambda h, _lm_head: h)  # the final-normed hidden states [B, S, D]
+        if last is None:
+            return self.score(hidden.float()).squeeze(-1)
         picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last.to(hidden.device)]
         return self.score(picked.float()).squeeze(-1)
-
-    def values(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The head read at every position [B, S]: PPO's critic, V(prefix up to and including each token)."""
-        hidden = self.trunk(tokens, head=lambda h, _lm_head: h)
-        return self.score(hidden.float()).squeeze(-1)
 
 
 def last_positions(batch: PairBatch) -> torch.Tensor:

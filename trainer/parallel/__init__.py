@@ -22,9 +22,10 @@ from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .expert_parallel import apply_expert_parallel, register_expert_grad_sync
 from .fsdp import apply_fsdp
-from .layouts import check_supported
+from .layouts import check_holder_supported, check_supported
 from .materialize import materialize, on_meta
 from .mesh import ParallelDims, build_parallel_dims, data_context_group
+from .model_parts import transformers_of
 from .pipeline import apply_pipeline
 from .tensor_parallel import apply_tensor_parallel, keep_grads_in_param_layout
 
@@ -39,9 +40,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, parallel: ParallelConfig, 
     (trainer.meta_init.build_model), this rank's share is allocated on `device` and initialised from
     `seed` with the whole model's values (materialize.py); then DDP for zero=0 (it broadcasts real
     weights). ZeRO-1 is the optimizer (zero1.build_parallel_optimizer). A model already on a device
-    (post-training's loaded base) is parallelised as it is. Returns the module to train (the DDP
-    wrapper, or `model` itself)."""
-    check_supported(parallel, getattr(model, "cfg", None))
+    (post-training's loaded base) is parallelised as it is. `model` is a Transformer, or a module holding
+    Transformers (a reward model: each Transformer is planned as one, heads are replicated; model_parts.py).
+    Returns the module to train (the DDP wrapper, or `model` itself)."""
+    trunks = transformers_of(model)  # the model, or the Transformers it holds (model_parts.py)
+    for cfg in [t.cfg for t in trunks] or [getattr(model, "cfg", None)]:
+        check_supported(parallel, cfg)
+    check_holder_supported(parallel, model)
     meta = on_meta(model)
     if meta and (device is None or seed is None):
         raise ValueError("parallelize: a model on the meta device needs the device and seed to materialise it on")

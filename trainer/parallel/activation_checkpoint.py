@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..model.bf16_matmul import bf16_gemm  # noqa: F401  (registers eightfold::bf16_gemm)
+from .model_parts import transformers_of
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -41,7 +42,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing={mode!r}; expected none, selective or full")
-    for block in model.layers.values():
+    for block in (b for trunk in transformers_of(model) for b in trunk.layers.values()):
         inner = block.forward
         kwargs = {"use_reentrant": False}
         if mode == "selective":

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from .model_parts import transformers_of
+
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """`backend`: torch.compile's; a benchmark's dry run passes "aot_eager" (the same graph capture,
     forward and backward, without code generation)."""
-    for block in model.layers.values():
+    for block in (b for trunk in transformers_of(model) for b in trunk.layers.values()):
         block.compile(fullgraph=False, backend=backend)

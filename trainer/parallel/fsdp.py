@@ -2,7 +2,8 @@
 (the basis of TorchTitan) shards per parameter").
 
 Each transformer block is one FSDP unit (its parameters all-gathered together just before its
-forward), then the root (embedding, final norm, LM head). `reshard_after_forward` is the stage
+forward), then the root (embedding, final norm, LM head); a module that holds Transformers (a reward
+model's trunk) gets each of them as a unit too, and its root the rest (a head). `reshard_after_forward` is the stage
 switch: False keeps the gathered weights from forward to backward (ZeRO-2: gradients and optimizer
 state sharded, weights gathered once per step); True frees them and gathers again in backward
 (ZeRO-3: "1.5x the traffic of plain data parallelism"). On a 2-D (dp_replicate, dp_shard) mesh FSDP2
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..precision import LOW_PRECISION
 from .mesh import ParallelDims
+from .model_parts import transformers_of
 
 
 def dp_mesh(dims: ParallelDims):
@@ -51,8 +53,11 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
                                reduce_dtype=torch.float32 if reduce_fp32 else torch.bfloat16)
           if precision in LOW_PRECISION else MixedPrecisionPolicy())
     reshard = zero == 3
-    for block in [*model.layers.values(), *(model.mtp or ())]:  # + the MTP modules (model/mtp.py), one unit each
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for trunk in transformers_of(model):  # the model, or each Transformer it holds (model_parts.py)
+        for block in [*trunk.layers.values(), *(trunk.mtp or ())]:  # + the MTP modules (model/mtp.py), one unit each
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if trunk is not model:  # a held Transformer's embedding, norm and head: its own unit, gathered for its forward
+            fully_shard(trunk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     pipe = getattr(model, "pipeline", None)
     if pipe is not None:
         # Pipeline parallel: each stage module is an FSDP root (its embedding / norm / head the root unit);
@@ -63,8 +68,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, zero: int, precision: str, 
             fully_shard(part, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         pipe.fsdp = True
         return model
-    # The root (embedding, final norm, LM head) follows the same switch, so ZeRO-3 moves exactly the
-    # seed's 1.5x of DDP (TorchTitan keeps the root gathered: the LM head is the first used in backward).
+    # The root (embedding, final norm, LM head; a module holding Transformers: what it has outside them) follows
+    # the same switch, so ZeRO-3 moves exactly the seed's 1.5x of DDP (TorchTitan keeps the root gathered: the
+    # LM head is the first used in backward).
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     # ZeRO-2 keeps the gathered weights between the micro-batches of a step as well (skip_grad_sync).
     model.keep_gathered_for_accumulation = zero == 2

@@ -34,8 +34,10 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from infra.config.model import ModelConfig
 
+from ..lora import lora_modules
 from ..model.moe import MoE
 from .mesh import ParallelDims
+from .model_parts import modules_outside_transformers, transformers_of
 
 
 class ReplicateParallel(ParallelStyle):
@@ -73,11 +75,12 @@ def keep_grads_in_param_layout(model: nn.Module) -> None:
 
     Registered after materialisation (trainer.parallel.parallelize): a hook put on a meta-device
     parameter does not survive `to_empty`'s tensor swap; and before the optimizer's and the gradient
-    reducers' own post-accumulate hooks, which then see the sharded gradient (hooks run in order)."""
+    reducers' own post-accumulate hooks, which then see the sharded gradient (hooks run in order). Frozen
+    parameters (a reward model's unused LM head, LoRA's base weights) have no gradient and no hook."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
-        if (isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",)
+        if (p.requires_grad and isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",)
                 and any(pl.is_shard() for pl in p.placements)):
             p.register_post_accumulate_grad_hook(_slice_replicated_grad)
 
@@ -99,9 +102,32 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_parallel: bool) -> nn.Module:
-    check_tp(model.cfg, dims.tp)
+    """The plan below on every Transformer `model` is or holds (model_parts.py); any other module with
+    parameters (a reward or value head on the trunk's hidden states) replicated over tp as DTensors, so its
+    gradient is the same on every tp rank and clipping sees one kind of tensor."""
     mesh = dims.submesh("tp")
+    trunks = transformers_of(model)
+    if not trunks:
+        raise ValueError(f"tensor parallel: {type(model).__name__} holds no Transformer to split")
+    for trunk in trunks:
+        _plan_transformer(trunk, mesh, sequence_parallel)
+    for name, module in modules_outside_transformers(model).items():
+        if next(module.children(), None) is not None:
+            raise NotImplementedError(
+                f"tensor parallel: {name or type(module).__name__} ({type(module).__name__}) holds parameters of its "
+                "own and submodules; only leaf modules outside the Transformers (heads) are replicated over tp")
+        parallelize_module(module, mesh, ReplicateParallel())
+    return model
+
+
+def _plan_transformer(model: nn.Module, mesh, sequence_parallel: bool) -> None:
+    check_tp(model.cfg, mesh.size())
+    if lora_modules(model):
+        raise NotImplementedError(f"tensor parallel tp={mesh.size()} with LoRA adapters: the plan splits nn.Linear "
+                                  "layers and a LoRA layer is not one; use data parallel (DDP, zero=1/2/3) with LoRA")
     sp = sequence_parallel
+    if sp:
+        model.register_forward_pre_hook(_sequence_splits(mesh.size()), with_kwargs=True)
     residual = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     norm = SequenceParallel() if sp else ReplicateParallel()
     top = {
@@ -122,7 +148,19 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, sequence_paralle
             "eh_proj": RowwiseParallel(input_layouts=residual, output_layouts=residual),
         })
         parallelize_module(module.block, mesh, block_plan(module.block, residual, sp))
-    return model
+
+
+def _sequence_splits(tp: int):
+    """A forward pre-hook refusing token batches whose length does not split over the tp ranks (pretraining's
+    seq_len is validated; post-training's batches are as long as their longest row)."""
+    def hook(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("tokens")
+        if tokens is not None and not tokens.is_floating_point() and tokens.shape[1] % tp:
+            raise ValueError(f"sequence parallel splits each sequence over tp={tp} ranks, and this batch's rows "
+                             f"hold {tokens.shape[1]} tokens; pad them to a multiple of {tp} or set "
+                             "parallel.sequence_parallel=false")
+
+    return hook
 
 
 def block_plan(block: nn.Module, residual, sp: bool) -> dict:

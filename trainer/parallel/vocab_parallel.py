@@ -52,23 +52,35 @@ def is_vocab_sharded(logits) -> bool:
     return bool(placements) and len(placements) == 1 and placements[0].is_shard(logits.dim() - 1)
 
 
-def cross_entropy_sum(logits, targets: torch.Tensor, z_loss: float = 0.0,
-                      ignore_index: int = IGNORE_INDEX) -> TokenLoss:
-    """`trainer.loss.cross_entropy_sum` for a DTensor of logits [B, S, V] sharded on V over tp."""
+def _local_rows(logits) -> tuple[torch.Tensor, int, object]:
+    """(this rank's logits as fp32 rows [N, V/t], the index of its first vocabulary entry, the tp group)."""
     mesh = logits.device_mesh
-    group = mesh.get_group()
     rank, t = mesh.get_local_rank(), mesh.size()
     local = logits.to_local()
     v_local = local.shape[-1]
     if v_local * t != logits.shape[-1]:
         raise ValueError(f"vocab {logits.shape[-1]} is not split evenly over tp={t} (local {v_local})")
-    flat = local.reshape(-1, v_local).float()
+    return local.reshape(-1, v_local).float(), rank * v_local, mesh.get_group()
+
+
+def cross_entropy_sum(logits, targets: torch.Tensor, z_loss: float = 0.0,
+                      ignore_index: int = IGNORE_INDEX) -> TokenLoss:
+    """`trainer.loss.cross_entropy_sum` for a DTensor of logits [B, S, V] sharded on V over tp."""
+    flat, vocab_start, group = _local_rows(logits)
     target = targets.reshape(-1)
     mask = target != ignore_index
-    ce, log_z = _VocabParallelCE.apply(flat, target.masked_fill(~mask, 0), rank * v_local, group)
+    ce, log_z = _VocabParallelCE.apply(flat, target.masked_fill(~mask, 0), vocab_start, group)
     ce_sum = (ce * mask).sum()
     if z_loss > 0:
         z_sum = z_loss * (log_z.square() * mask).sum()
     else:
         z_sum = torch.zeros((), device=flat.device)
     return TokenLoss(ce_sum=ce_sum, z_sum=z_sum, tokens=mask.sum())
+
+
+def target_logps(logits, targets: torch.Tensor) -> torch.Tensor:
+    """`trainer.loss.target_logps` for a DTensor of logits [B, S, V] sharded on V over tp: log p(target) is
+    minus the cross-entropy above, so DPO's and GRPO's log-probs never gather the full logits either."""
+    flat, vocab_start, group = _local_rows(logits)
+    ce, _ = _VocabParallelCE.apply(flat, targets.reshape(-1).clamp_min(0), vocab_start, group)
+    return -ce.view(targets.shape)

@@ -242,3 +242,16 @@ def test_export_ships_the_last_model_of_the_chain_and_its_lineage(tmp_path, trai
     with pytest.raises(ValueError, match="export.source='posttrain-grpo' is not among"):
         run(dataclasses.replace(ctx, cfg=cfg.model_copy(update={"export": cfg.export.model_copy(
             update={"source": "posttrain-grpo"})})))
+
+
+def test_both_branches_ship_grpo_and_export_ppo_beside_it():
+    """posttrain.chain both: GRPO's model ships, PPO's (the other branch's last) is exported with the rest;
+    each adapter's base is the model its step started from."""
+    from stages.export.stage import PARENT, model_chain
+
+    inputs = dict.fromkeys(["pretrain", "posttrain-sft", "posttrain-dpo", "posttrain-grpo", "posttrain-ppo", "tokens"])
+    shipped, others = model_chain(inputs, "final")
+    assert shipped == ("posttrain-grpo", "grpo")
+    assert [s for _, s in others] == ["pretrain", "sft", "ppo", "dpo"]
+    assert model_chain(dict.fromkeys(["pretrain", "posttrain-sft", "posttrain-ppo"]), "final")[0] == ("posttrain-ppo", "ppo")
+    assert PARENT["ppo"] == PARENT["dpo"] == "sft" and PARENT["grpo"] == "dpo"
