@@ -42,7 +42,8 @@ def test_sft_rm_ppo_end_to_end(tmp_path):
         sft={"steps": 3, "warmup_steps": 1, "num_examples": 64},
         rm={"steps": 3, "warmup_steps": 0, "num_examples": 32, "preference_pairs": 16},
         ppo={"steps": 2, "num_examples": 16, "prompts_per_step": 4, "samples_per_prompt": 2, "global_batch_size": 4,
-             "micro_batch_size": 2, "minibatches": 2, "ppo_epochs": 2, "heldout_every": 1, "target_kl": 0.1},
+             "micro_batch_size": 2, "minibatches": 2, "ppo_epochs": 2, "heldout_every": 1, "target_kl": 0.1,
+             "lora": {"enabled": True, "r": 4}},  # rollouts then take the adapter alone
         task={"heldout_size": 8},
     )
     cfg.infra.workdir = str(tmp_path / "ws")
@@ -73,4 +74,7 @@ def test_sft_rm_ppo_end_to_end(tmp_path):
     assert rows[0]["approx_kl"] == pytest.approx(0, abs=1e-6)  # the first minibatch is on-policy: ratio 1
     sd = load_full_state_dict(find_checkpoint(out / "ppo"))  # the policy alone, what export reads
     assert "layers.0.self_attn.q_proj.weight" in sd and not any(k.startswith(("policy.", "value.")) for k in sd)
+    adapter = json.loads((out / "ppo" / "adapter" / "adapter_config.json").read_text())  # the policy's, in PEFT's format
+    assert adapter["r"] == 4 and "q_proj" in adapter["target_modules"]
+    assert rows[-1]["weight_push_s"] > 0  # the adapter went into the engine after each batch
     assert (out / "model.safetensors").is_file()
