@@ -1,8 +1,8 @@
 """GRPO's weight sync into the running rollout engine: today's full reload (every tensor converted to the
 Hugging Face layout and loaded, the fused qkv/gate_up rebuilt) against the in-place copy of the tensors a
 step changed (all trainable weights in full fine-tuning; the adapted projections' merged weights with LoRA),
-and, with LoRA, the adapter alone (written in PEFT's format and loaded as the engine's LoRA adapter, as
-vLLM's load_lora_adapter with load_inplace).
+and, with LoRA, the adapter alone (PEFT's config and tensors, in memory, loaded as the engine's LoRA adapter,
+as vLLM's load_lora_adapter with load_inplace; `lora_adapter_files` writes and reads PEFT's files on the way).
 Times the whole push as the trainer makes it (ServingEngineRollouts.update_weights), on random weights of
 the tiny config and of a wider model. Prints one JSON line per model and mode, with the median over
 `--repeats` pushes and the ratio against the full reload measured in the same run.
@@ -24,7 +24,7 @@ import torch
 
 from infra.config import load_config
 from stages.posttrain.rollout import ServingEngineRollouts
-from trainer.lora import adapter_state_dict, apply_lora, lora_modules, save_peft
+from trainer.lora import adapter_state_dict, apply_lora, lora_modules, peft_config, save_peft
 from trainer.model import Transformer
 
 
@@ -64,11 +64,12 @@ def measure(name: str, model_cfg, repeats: int, work: Path) -> list[dict]:
     adapted = {f"{n}.weight": (m.weight + m.delta_weight()).detach() for n, m in lora_modules(model).items()}
     folder = work / f"{name}-adapter"
     tensors = {"full_reload": len(full), "in_place_all": len(full), "in_place_lora_targets": len(adapted),
-               "lora_adapter": len(adapter_state_dict(model))}
+               "lora_adapter": len(adapter_state_dict(model)), "lora_adapter_files": len(adapter_state_dict(model))}
     rows, base = [], _median_s(full_reload, repeats)
     for mode, push in (("full_reload", full_reload), ("in_place_all", lambda: engine.update_weights(full)),
                        ("in_place_lora_targets", lambda: engine.update_weights(adapted)),
-                       ("lora_adapter", lambda: engine.load_adapter(save_peft(model, folder)))):
+                       ("lora_adapter", lambda: engine.load_adapter((peft_config(model), adapter_state_dict(model)))),
+                       ("lora_adapter_files", lambda: engine.load_adapter(save_peft(model, folder)))):
         s = base if mode == "full_reload" else _median_s(push, repeats)
         rows.append({"benchmark": "weight_sync", "model": name, "params_m": round(sum(v.numel() for v in full.values()) / 1e6, 2),
                      "mode": mode, "tensors": tensors[mode],

@@ -108,18 +108,14 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if ".lora_A." in k or ".lora_B." in k}
 
 
-def save_peft(model: nn.Module, out_dir: str | Path, base_model: str | None = None) -> Path:
-    """adapter_config.json + adapter_model.safetensors in PEFT's LoRA format."""
-    from safetensors.torch import save_file
-
+def peft_config(model: nn.Module, base_model: str | None = None) -> dict:
+    """adapter_config.json's content (PEFT's LoRA format) for the model's adapters."""
     loras = lora_modules(model)
     if not loras:
         raise ValueError("the model has no LoRA adapters to save")
     first = next(iter(loras.values()))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
-    config = {
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": first.r,
@@ -135,6 +131,15 @@ def save_peft(model: nn.Module, out_dir: str | Path, base_model: str | None = No
         "modules_to_save": None,
         "base_model_name_or_path": base_model,
     }
+
+
+def save_peft(model: nn.Module, out_dir: str | Path, base_model: str | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors in PEFT's LoRA format."""
+    from safetensors.torch import save_file
+
+    config = peft_config(model, base_model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     save_file(adapter_state_dict(model), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out

@@ -30,7 +30,7 @@ from infra.launch.job import JobResult, JobSpec
 from . import posttrain_data as pdata
 from .activation_stats import ActivationStats
 from .job_io import OutputFolder, fetch_input
-from .lora import apply_lora, save_peft
+from .lora import adapter_state_dict, apply_lora, peft_config, save_peft
 from .metrics import MetricsSink
 from .model import Transformer
 from .objectives import (BradleyTerry, DirectPreference, GroupRelativePolicy, PolicyAndValue, ProximalPolicy,
@@ -222,7 +222,7 @@ class PosttrainJob:
         policy = model.policy if self.step_name == "ppo" else model
         sharded = any(getattr(p, "placements", None) is not None for p in model.parameters())  # FSDP: gather instead
         if self.sc.lora.enabled and getattr(self.engine, "serves_adapters", False) and not sharded:
-            self.engine.load_adapter(save_peft(policy, Path(self.spec.workdir) / "engine" / "adapter"))
+            self.engine.load_adapter((peft_config(policy), adapter_state_dict(policy)))
             return
         self.engine.update_weights(self.policy_weights(self.weights_to_push()))
 

@@ -3,8 +3,9 @@ trainer/objectives/grpo.py's `RolloutEngine` interface (seed: "a fleet of infere
 generating rollouts. After each update the new weights are broadcast to the engines"). The engine
 loads the Hugging Face layout, so the starting weights are written once with stages/export/hf.py and
 every update is pushed as the same name mapping, which also resets its prefix cache. With LoRA the base
-weights never change: the trainer's adapter is loaded as the engine's LoRA adapter (`load_adapter`, vLLM's
-load_inplace) and every request runs with it, so a sync moves the factors alone."""
+weights never change: the trainer's adapter (PEFT's config and tensors, in memory) is loaded as the engine's
+LoRA adapter (`load_adapter`, vLLM's load_inplace) and every request runs with it, so a sync moves the
+factors alone."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ class ServingEngineRollouts:
 
     serves_adapters = True  # load_adapter: a LoRA trainer pushes its adapter alone
 
-    def load_adapter(self, folder: Path) -> None:
-        """The trainer's PEFT adapter (written to `folder`) as the adapter every later request runs with; the
-        engine salts its prefix cache per load, so no old entry is reused."""
-        self.engine.load_lora("policy", folder, replace=self.lora_name is not None)
+    def load_adapter(self, adapter: Path | tuple[dict, dict[str, torch.Tensor]]) -> None:
+        """The trainer's PEFT adapter (a folder, or its config and tensors in memory) as the adapter every later
+        request runs with; the engine salts its prefix cache per load, so no old entry is reused."""
+        self.engine.load_lora("policy", adapter, replace=self.lora_name is not None)
         self.lora_name = "policy"
         self.pushes += 1
 

@@ -611,8 +611,10 @@ class LLMEngine:
         return result
 
     # -- LoRA adapters (lora.py) ------------------------------------------------------------------
-    def load_lora(self, name: str, path: str | Path, replace: bool = False) -> LoRAAdapter:
-        """Load a PEFT LoRA adapter under `name` (requests naming it get it). `replace`: swap the
+    def load_lora(self, name: str, path: str | Path | tuple[dict, dict[str, torch.Tensor]],
+                  replace: bool = False) -> LoRAAdapter:
+        """Load a PEFT LoRA adapter (a folder, or its config and tensors in memory) under `name` (requests
+        naming it get it). `replace`: swap the
         weights of an adapter already loaded by that name (vLLM's load_inplace); its running requests
         finish with the old ones. ValueError for a name taken or an adapter this model cannot serve,
         FileNotFoundError for a folder with no adapter."""
@@ -622,7 +624,7 @@ class LLMEngine:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         adapter = load_lora_adapter(name, path, self.model.shape, self.model.dtype, self.model.device)
         self.loras[name] = adapter
-        log.info("loaded LoRA adapter %r from %s (r=%d, %d bytes)", name, path, adapter.rank, adapter.nbytes)
+        log.info("loaded LoRA adapter %r from %s (r=%d, %d bytes)", name, adapter.path, adapter.rank, adapter.nbytes)
         return adapter
 
     def unload_lora(self, name: str) -> None:

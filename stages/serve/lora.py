@@ -95,13 +95,17 @@ def fused_slices(shape) -> dict[str, tuple[str, int, int, int]]:
             "down_proj": ("down", 0, H, I)}
 
 
-def load_lora_adapter(name: str, path: str | Path, shape, dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
-    """A PEFT LoRA folder -> an adapter laid out for this model; LoRAError naming the problem for anything
-    that does not fit (another architecture, a misshapen factor, an option it would silently drop),
-    FileNotFoundError when the folder holds no adapter."""
+def load_lora_adapter(name: str, path: str | Path | tuple[dict, dict[str, torch.Tensor]], shape, dtype: torch.dtype,
+                      device: torch.device) -> LoRAAdapter:
+    """A PEFT LoRA folder, or its (adapter_config, tensors) already in memory (a trainer's sync), -> an adapter
+    laid out for this model; LoRAError naming the problem for anything that does not fit (another
+    architecture, a misshapen factor, an option it would silently drop), FileNotFoundError when the folder
+    holds no adapter."""
     from stages.export.peft_adapter import PEFT_KEY, lora_scaling, read_adapter
 
-    conf, tensors = read_adapter(path)
+    conf, tensors = path if isinstance(path, tuple) else read_adapter(path)
+    if isinstance(path, tuple):
+        path = "<memory>"
     if conf.get("peft_type") != "LORA":
         raise LoRAError(f"{path}: peft_type is {conf.get('peft_type')!r}; only LORA adapters are served")
     if conf.get("bias", "none") != "none":
