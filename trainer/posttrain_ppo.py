@@ -16,22 +16,9 @@ from torch import nn
 
 from . import posttrain_data as pdata
 from .loss import IGNORE_INDEX
+from .objectives.grpo import pad_rollouts
 from .objectives.ppo import AdaptiveKL, PPOBatch, gae, masked_whiten, per_token_rewards, token_logps
 from .objectives.reward import RewardModel
-
-
-def pad_rollouts(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt ids, completion ids) pairs -> inputs and targets [n, S], right-padded, the targets covering
-    exactly the completion tokens."""
-    S = max(len(p) + len(c) for p, c in seqs) - 1
-    inputs = torch.full((len(seqs), S), pad_id, dtype=torch.long)
-    targets = torch.full((len(seqs), S), IGNORE_INDEX, dtype=torch.long)
-    for i, (p, c) in enumerate(seqs):
-        seq = p + c
-        inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
-        if c:
-            targets[i, len(p) - 1:len(seq) - 1] = torch.tensor(c)
-    return inputs, targets
 
 
 class RewardScorer:
@@ -155,6 +142,7 @@ class PPOBatches:
 def _select(batch: PPOBatch, idx: torch.Tensor) -> PPOBatch:
     """The rows `idx` of a batch, trimmed to their longest sequence."""
     fields = {k: v[idx] for k, v in batch.__dict__.items() if isinstance(v, torch.Tensor)}
-    width = int((fields["targets"] != IGNORE_INDEX).nonzero()[:, 1].max()) + 1 if (fields["targets"] != IGNORE_INDEX).any() else 1
+    targets = (fields["targets"] != IGNORE_INDEX).any(0).nonzero()
+    width = int(targets.max()) + 1 if len(targets) else 1
     fields = {k: v[:, :width] for k, v in fields.items()}
     return PPOBatch(rows=batch.rows[idx.numpy()], **fields)

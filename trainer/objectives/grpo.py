@@ -143,6 +143,20 @@ class GroupRelativePolicy:
         return out
 
 
+def pad_rollouts(seqs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids, completion ids) pairs -> inputs and targets [n, S], right-padded, the targets covering
+    exactly the completion tokens."""
+    S = max(len(p) + len(c) for p, c in seqs) - 1
+    inputs = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    targets = torch.full((len(seqs), S), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        seq = p + c
+        inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+        if c:
+            targets[i, len(p) - 1:len(seq) - 1] = torch.tensor(c)
+    return inputs, targets
+
+
 def rollout_batches(groups: list[list[Rollout]], rewards: list[list[float]], micro_batch_size: int,
                     pad_id: int) -> tuple[list[RolloutBatch], torch.Tensor]:
     """Flatten the groups (prompt-major), compute advantages, and cut right-padded micro-batches whose
@@ -153,17 +167,12 @@ def rollout_batches(groups: list[list[Rollout]], rewards: list[list[float]], mic
     batches = []
     for start in range(0, len(flat), micro_batch_size):
         part = flat[start:start + micro_batch_size]
-        S = max(len(r.prompt_ids) + len(r.completion_ids) for r in part) - 1
-        inputs = torch.full((len(part), S), pad_id, dtype=torch.long)
-        targets = torch.full((len(part), S), IGNORE_INDEX, dtype=torch.long)
-        old = torch.zeros(len(part), S)
+        inputs, targets = pad_rollouts([(r.prompt_ids, r.completion_ids) for r in part], pad_id)
+        old = torch.zeros(inputs.shape)
         for i, r in enumerate(part):
-            seq = r.prompt_ids + r.completion_ids
-            n, p = len(seq) - 1, len(r.prompt_ids)
-            inputs[i, :n] = torch.tensor(seq[:-1])
             if r.completion_ids:
-                targets[i, p - 1:n] = torch.tensor(r.completion_ids)
-                old[i, p - 1:n] = torch.tensor(r.logprobs, dtype=torch.float32)
+                p = len(r.prompt_ids)
+                old[i, p - 1:p - 1 + len(r.completion_ids)] = torch.tensor(r.logprobs, dtype=torch.float32)
         batches.append(RolloutBatch(inputs=inputs, targets=targets, rows=torch.arange(start, start + len(part)).numpy(),
                                     old_logps=old, advantages=adv[start:start + len(part)]))
     return batches, adv
