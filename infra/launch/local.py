@@ -5,7 +5,8 @@ session, so the torchrun agent and every rank it starts share one process group 
 can signal as a whole: SIGTERM first (torchrun forwards it and ranks may save), SIGKILL after a
 grace period, so no agent, rank or data-loader worker survives. Output of all ranks goes to
 `<spec.workdir>/logs/<job_id>.log` (written by the job itself, so the log survives this process)
-and is optionally echoed here.
+and is optionally echoed here. A job of one process that may not restart runs without the agent
+(`python -m <module> JOB.yaml`, given the environment torchrun gives its one rank).
 """
 
 from __future__ import annotations
@@ -263,7 +264,16 @@ class LocalLauncher:
         self.max_restarts, self.env, self.echo = max_restarts, dict(env or {}), echo
         self.node_dirs = nnodes > 1 if node_dirs is None else node_dirs
 
+    @property
+    def agentless(self) -> bool:
+        """One process that may not restart needs no elastic agent: it runs as `python -m trainer` with the
+        environment torchrun would give its one rank, which saves the agent's start (a second interpreter
+        importing torch: seconds per job, and the ablations start a dozen)."""
+        return self.nnodes == 1 and self.nproc_per_node == 1 and self.max_restarts == 0
+
     def command(self, job_file: Path, node_rank: int = 0, master_port: int | None = None) -> list[str]:
+        if self.agentless:
+            return [sys.executable, "-m", self.module, str(job_file)]
         cmd = [sys.executable, "-m", "torch.distributed.run"]
         if self.nnodes == 1:
             cmd += ["--standalone", "--nnodes", "1"]
@@ -284,6 +294,9 @@ class LocalLauncher:
         paths = [str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["EIGHTFOLD_JOB_ID"] = spec.job_id
+        if self.agentless:  # what torchrun tells its one rank
+            env.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         env.update(self.env)
         env.update(spec.env)
         return env
