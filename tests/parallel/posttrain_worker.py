@@ -24,7 +24,7 @@ from trainer.model import Transformer
 from trainer.objectives import (BradleyTerry, DirectPreference, GroupRelativePolicy, PolicyAndValue, PPOBatch,
                                 ProximalPolicy, RewardModel, SupervisedFineTuning)
 from trainer.objectives.dpo import PairBatch
-from trainer.objectives.grpo import Rollout, rollout_batches
+from trainer.objectives.grpo import Rollout, pad_rollouts, rollout_batches
 from trainer.parallel import build_parallel_dims, parallelize
 from trainer.parallel.ddp import unwrap
 from trainer.parallel.zero1 import build_parallel_optimizer
@@ -88,13 +88,7 @@ def sft_batches(step: int, dp_rank: int, dp: int) -> list[MicroBatch]:
 def _pair_batch(pairs: list[tuple[list[int], list[int], list[int]]]) -> PairBatch:
     """(prompt, chosen, rejected) token lists -> the chosen rows, then the rejected, right-padded."""
     rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
-    length = max(len(p) + len(a) for p, a in rows) - 1
-    inputs = torch.full((len(rows), length), PAD, dtype=torch.long)
-    targets = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    for i, (p, a) in enumerate(rows):
-        seq = p + a
-        inputs[i, :len(seq) - 1] = torch.tensor(seq[:-1])
-        targets[i, len(p) - 1:len(seq) - 1] = torch.tensor(a)
+    inputs, targets = pad_rollouts(rows, PAD)
     return PairBatch(inputs=inputs, targets=targets, rows=torch.arange(len(rows)).numpy())
 
 
