@@ -7,11 +7,12 @@ near-duplicates to find across shards; all of it is written as ~256 KB JSON-line
 process (`--run`), whose process tree (the stage and its workers) is sampled for its total resident memory.
 
 Prints one JSON line per size: {"size", "docs", "docs_kept", "seconds", "docs_per_s", "peak_rss_mb",
-"workers", "load_average_1m"}, then one line {"speedup_2_workers", ...} with the medians of `--repeats` runs
-of each worker count on the `--speedup-size` corpus (4x: on 1x a pool's start-up is most of the run). The machine's load is printed with every line: on a shared machine
-the figures move with it.
+"workers", "load_average_1m"}, then one line {"speedup_2_workers", ...} per `--speedup-sizes` corpus with the
+medians of `--repeats` runs of each worker count (not 1x: there a pool's start-up, ~0.9 s, is a third of the run;
+at 4x still a tenth, at 16x a fortieth). The machine's load is printed with every line: on a shared machine the
+figures move with it.
 
-    python -m benchmarks.data_scale [--sizes 1,4,16] [--workers 2] [--repeats 3] [--max-bytes 6000000]
+    python -m benchmarks.data_scale [--sizes 1,4,16] [--speedup-sizes 4,16] [--workers 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="workers for the size runs")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each worker count for the speedup (median)")
     ap.add_argument("--max-bytes", type=int, default=6_000_000)
-    ap.add_argument("--speedup-size", type=int, default=4, help="corpus size (x tiny) of the 1 vs 2 workers runs")
+    ap.add_argument("--speedup-sizes", default="4,16", help="corpus sizes (x tiny) of the 1 vs 2 workers runs")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run:
@@ -144,20 +145,22 @@ def main(argv: list[str] | None = None) -> None:
     texts = tiny_corpus(args.max_bytes)
     with tempfile.TemporaryDirectory(prefix="data-scale-corpus-") as tmp:
         corpora = {}
-        for n in sorted({int(x) for x in args.sizes.split(",")} | {args.speedup_size}):
+        speedup_sizes = sorted(int(x) for x in args.speedup_sizes.split(","))
+        for n in sorted({int(x) for x in args.sizes.split(",")} | set(speedup_sizes)):
             corpora[n] = Path(tmp) / f"{n}x"
             write_corpus(texts, n, corpora[n])
         for n in sorted(int(x) for x in args.sizes.split(",")):
             print(json.dumps({"size": f"{n}x", **measured(corpora[n], args.workers)}), flush=True)
-        rates = {1: [], 2: []}
-        for _ in range(args.repeats):
-            for w in (1, 2):
-                rates[w].append(measured(corpora[args.speedup_size], w)["docs_per_s"])
-        med = {w: statistics.median(r) for w, r in rates.items()}
-        print(json.dumps({"speedup_2_workers": round(med[2] / med[1], 3), "size": f"{args.speedup_size}x",
-                          "docs_per_s_1_worker": med[1], "docs_per_s_2_workers": med[2], "repeats": args.repeats,
-                          "runs_1_worker": rates[1], "runs_2_workers": rates[2], "cpus": os.cpu_count(),
-                          "load_average_1m": round(os.getloadavg()[0], 2)}), flush=True)
+        for n in speedup_sizes:
+            rates = {1: [], 2: []}
+            for _ in range(args.repeats):
+                for w in (1, 2):
+                    rates[w].append(measured(corpora[n], w)["docs_per_s"])
+            med = {w: statistics.median(r) for w, r in rates.items()}
+            print(json.dumps({"speedup_2_workers": round(med[2] / med[1], 3), "size": f"{n}x",
+                              "docs_per_s_1_worker": med[1], "docs_per_s_2_workers": med[2], "repeats": args.repeats,
+                              "runs_1_worker": rates[1], "runs_2_workers": rates[2], "cpus": os.cpu_count(),
+                              "load_average_1m": round(os.getloadavg()[0], 2)}), flush=True)
 
 
 if __name__ == "__main__":

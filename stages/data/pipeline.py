@@ -35,7 +35,7 @@ from ..base import StageContext
 from .card import DataCard
 from .decontaminate import ContaminationIndex, eval_texts_by_source
 from .dedup import FirstKeptCluster, exact_key, lsh_params, shard_priority, xxh64_text
-from .executors import PipeStage, run_stages
+from .executors import PipeStage, run_stages, start_pool_server
 from .sources import DataSourceError, plan_tasks, validate_source
 from .steps import (SEP, WORDS, AssignId, CodeRules, Decontaminate, DedupFilter, Measured, Normalize, ReadPlanned,
                     RunAll, ScrubSecrets, ShardReader, Signatures, SplitTag, merged_counts, output_row)
@@ -279,6 +279,7 @@ def run_clean(ctx: StageContext) -> dict[str, Any]:
 
     cfg = ctx.cfg.data
     t0 = time.perf_counter()
+    start_pool_server(ctx.cfg)
     # Validate before work: every source resolvable, every evaluation file readable.
     validate_data_config(cfg)
     eval_sets = eval_texts_by_source(ctx.cfg)

@@ -24,9 +24,12 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 
 from infra.config.data import CleanConfig
 
+from . import speedups
 from .clean import normalize, quality_reason, scrub_secrets
 from .dedup import normalized_hash
 from .split import hash_fraction
+
+speedups.install()
 
 SEP = "|"  # stat labels: "<kind>|<source>[|<reason>]"; source names are config labels without "|"
 EXAMPLES_PER_REASON = 5
