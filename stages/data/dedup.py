@@ -20,10 +20,10 @@ import re
 import struct
 
 import numpy as np
-from xxhash import xxh64_intdigest as _xxh64_intdigest
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.typeshelper import ExtensionHelperSD
+from xxhash import xxh64_intdigest as _xxh64_intdigest
 
 _SPACE = re.compile(r"\s+")
 

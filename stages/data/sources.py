@@ -253,7 +253,8 @@ class SourceReader:
                     )
                 if self._full():
                     return
-                doc = self._take_text(row[field], f"{path}:{row_no}")
+                # a later row without the field reads as empty (dropped and counted), as datasets read it
+                doc = self._take_text(row.get(field), f"{path}:{row_no}")
                 if doc is not None:
                     yield doc
         except DataSourceError:

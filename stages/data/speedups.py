@@ -69,4 +69,5 @@ def install() -> None:
     gopher.get_n_grams, gopher.find_top_duplicate = get_n_grams, find_top_duplicate
     MinhashDedupSignature.get_shingles = get_shingles
     if not hasattr(ExceptionFormatter._get_lib_dirs, "cache_info"):
-        ExceptionFormatter._get_lib_dirs = staticmethod(functools.lru_cache(maxsize=1)(ExceptionFormatter._get_lib_dirs))
+        cached = functools.lru_cache(maxsize=1)(ExceptionFormatter._get_lib_dirs)
+        ExceptionFormatter._get_lib_dirs = staticmethod(cached)
