@@ -178,6 +178,21 @@ def test_every_local_format_reads(tmp_path):
                                                                [scrub_secrets(t)[0] for t in texts]))
 
 
+
+def test_table_rows_stream_and_a_row_without_the_field_is_counted_empty(tmp_path):
+    texts = [(STDLIB / n).read_text() for n in ["textwrap.py", "heapq.py", "fnmatch.py"]]
+    d = tmp_path / "rows"
+    d.mkdir()
+    lines = [json.dumps({"text": texts[0]}), "", json.dumps({"other": "x"}), json.dumps({"text": texts[1]})]
+    (d / "a.jsonl").write_text("\n".join(lines) + "\n")  # a blank line is skipped, not a row
+    (d / "b.json").write_text(json.dumps([{"text": texts[2]}]))  # one JSON array of objects
+    ctx, _ = make_ctx(tmp_path, [SourceConfig(name="rows", path=str(d))])
+    run_clean(ctx)
+    c = card(ctx.out_dir)
+    assert drops(c)[("read", "empty")] == 1
+    rows = read_split(ctx.out_dir, "train") + read_split(ctx.out_dir, "validation")
+    assert len(rows) == 3
+
 # --- bad input -----------------------------------------------------------------------------------------------
 
 def test_missing_file_is_named_before_any_work(tmp_path):
