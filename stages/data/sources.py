@@ -158,7 +158,8 @@ class SourceReader:
                  files: list[str] | None = None):
         self.src = src
         self.files = [Path(f) for f in files] if files is not None else None
-        self.cache_dir = str(cache_dir) if cache_dir is not None else None  # datasets' lock/cache files go here
+        # hub sources: datasets' lock and cache files go here
+        self.cache_dir = str(cache_dir) if cache_dir is not None else None
         self.stats = ReadStats()
         # Anything far larger than the longest document we keep is dropped unread (a 50 MB one-line file).
         self.max_doc_bytes = max_doc_bytes
