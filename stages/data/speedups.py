@@ -1,5 +1,5 @@
 """Faster equivalents of five datatrove internals (same answers), installed so a small corpus is not mostly
-overhead: the tiny data stage went from ~6.9 s to ~4 s with them.
+overhead: the tiny data stage (imports and run, a fresh process) went from ~6.9 s to ~4.4 s with them.
 
 Fixed costs:
 - Every PipelineStep checks its dependencies when it is made or unpickled, and the first check of a
@@ -30,6 +30,9 @@ import functools
 import importlib.metadata
 from collections import Counter
 
+import numpy as np
+from datatrove.utils.text import ngrams, simplify_text
+
 
 @functools.lru_cache
 def distribution_available(name: str) -> bool | None:
@@ -50,10 +53,7 @@ def find_top_duplicate(x: list[str]) -> int:
     return len(gram) * count
 
 
-def get_shingles(self, text: str):
-    import numpy as np
-    from datatrove.utils.text import ngrams, simplify_text
-
+def get_shingles(self, text: str) -> np.ndarray:
     words = self.word_tokenizer.word_tokenize(simplify_text(text, self.config.norm_config))
     return np.fromiter(map(self._hash_func, map(" ".join, ngrams(words, self.config.n_grams))),
                        dtype=np.uint64).reshape((-1, 1))
