@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/tiny.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); modules stay whole (tests/fixtures/scheduling.py)
+TEST_WORKERS ?= 2
 
 .PHONY: run test install install-test bench clean
 
@@ -31,7 +33,7 @@ run: $(VENV)/.installed
 	$(BIN)/eightfold run $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(BIN)/eightfold bench run all

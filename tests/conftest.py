@@ -23,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_STATE}/mlflow.db")
 
 pytest_plugins = []
-for _name in ("s3", "mlflow_server", "tiny_hf", "slurm", "prefect", "k8s"):
+for _name in ("s3", "mlflow_server", "tiny_hf", "slurm", "prefect", "k8s", "scheduling"):
     if (pathlib.Path(__file__).parent / "fixtures" / f"{_name}.py").exists():
         pytest_plugins.append(f"fixtures.{_name}")
 
