@@ -54,23 +54,27 @@ def deployment_specs(config: str = DEFAULT_CONFIG, overrides: list[str] | None =
 
 
 def _ensure_pool(client, pool: str, pool_type: str | None, console: Console) -> str:
-    """The pool's type; the pool is created (process unless named like a Kubernetes pool) if missing."""
+    """The pool's type; the pool is created (process unless named like a Kubernetes pool) if missing.
+    A worker started on the same pool at the same moment creates it too: whichever comes second reads
+    the pool the other made."""
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     try:
         existing = client.read_work_pool(pool)
     except ObjectNotFound:
-        existing = None
-    if existing is not None:
-        if pool_type and existing.type != pool_type:
-            raise ValueError(f"work pool {pool!r} exists with type {existing.type!r}, not {pool_type!r}")
-        return existing.type
-    pool_type = pool_type or ("kubernetes" if "kubernetes" in pool else "process")
-    template = _default_template(pool_type)
-    client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, base_job_template=template or {}))
-    console.print(f"created work pool [bold]{pool}[/bold] (type {pool_type})")
-    return pool_type
+        new_type = pool_type or ("kubernetes" if "kubernetes" in pool else "process")
+        template = _default_template(new_type)
+        try:
+            client.create_work_pool(WorkPoolCreate(name=pool, type=new_type, base_job_template=template or {}))
+        except ObjectAlreadyExists:
+            existing = client.read_work_pool(pool)
+        else:
+            console.print(f"created work pool [bold]{pool}[/bold] (type {new_type})")
+            return new_type
+    if pool_type and existing.type != pool_type:
+        raise ValueError(f"work pool {pool!r} exists with type {existing.type!r}, not {pool_type!r}")
+    return existing.type
 
 
 def _default_template(pool_type: str) -> dict | None:

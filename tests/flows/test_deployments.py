@@ -45,6 +45,37 @@ def test_deploy_needs_an_api(monkeypatch, capsys):
     assert "PREFECT_API_URL is not set" in capsys.readouterr().err
 
 
+def test_a_pool_created_meanwhile_by_a_worker_is_used(monkeypatch):
+    """`prefect worker start --pool P` creates P when it is missing, as `eightfold deploy` does: when
+    both start at once, deploy's create is refused (409) and it takes the worker's pool instead of failing."""
+    from types import SimpleNamespace
+
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from rich.console import Console
+
+    import flows.deploy as deploy
+
+    class RacingClient:  # the worker creates the pool between deploy's read and its create
+        def __init__(self):
+            self.reads = 0
+
+        def read_work_pool(self, name):
+            self.reads += 1
+            if self.reads == 1:
+                raise ObjectNotFound(http_exc=None)
+            return SimpleNamespace(name=name, type="process")
+
+        def create_work_pool(self, pool):
+            raise ObjectAlreadyExists(http_exc=None)
+
+    monkeypatch.setattr(deploy, "_default_template", lambda pool_type: {})
+    client = RacingClient()
+    assert deploy._ensure_pool(client, PROCESS_POOL, None, Console(quiet=True)) == "process"
+    assert client.reads == 2
+    with pytest.raises(ValueError, match="exists with type 'process', not 'kubernetes'"):
+        deploy._ensure_pool(RacingClient(), PROCESS_POOL, "kubernetes", Console(quiet=True))
+
+
 def test_compose_file_is_consistent():
     """No Docker engine here: check what can be checked offline. Services named in depends_on exist,
     build files exist, the worker image holds every package, the pool names match `eightfold deploy`,
