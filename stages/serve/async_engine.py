@@ -172,11 +172,10 @@ class AsyncEngine:
                 raise ValueError("LoRA adapters are not served with prefill/decode disaggregation")
             self._in_flight[rid] = stream
             try:
-                first = await self.call(lambda e: self._add_prefilled(e, ids, params, rid, prefilled, stream))
+                await self.call(lambda e: self._add_prefilled(e, ids, params, rid, prefilled, stream))
             except BaseException:
                 self._in_flight.pop(rid, None)
                 raise
-            stream.queue.put_nowait(first)
         else:
             try:  # prepared here, off the engine thread: tokens checked, grammar compiled, adapter resolved
                 req = eng.make_request(ids, params, rid, lora_name=lora_name)
@@ -215,11 +214,13 @@ class AsyncEngine:
         self._routes[req.request_id] = stream
 
     def _add_prefilled(self, eng: LLMEngine, ids: list[int], params: SamplingParams, rid: str,
-                       prefilled: PrefilledRequest, stream: _Stream) -> RequestOutput:
+                       prefilled: PrefilledRequest, stream: _Stream) -> None:
         first = eng.add_prefilled_request(ids, params, rid, prefilled)
         if not first.finished:
             self._routes[rid] = stream
-        return first
+        # Queued from this thread, before any step's: were it returned through `call`, the caller would
+        # resume (and queue it) only after the next steps' outputs were already in the queue.
+        _hand_back(stream.loop, [(stream.queue, first)])
 
     def _abort(self, request_id: str) -> None:
         self._routes.pop(request_id, None)

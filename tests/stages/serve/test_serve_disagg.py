@@ -231,6 +231,35 @@ def test_aborted_and_finished_requests_leak_no_blocks(tiny_hf_model_dir):
     assert front.load == 0
 
 
+def test_stream_keeps_its_order_when_the_loop_resumes_late(tiny_hf_model_dir):
+    """The decode engine's first output (the prefill's token) comes before its steps' outputs even when
+    the event loop is busy while the engine thread already steps: on a loaded server, that first output
+    was queued last and the stream came out shuffled."""
+    import time
+
+    pre, dec, _ = _engines(tiny_hf_model_dir)
+    ref = LLMEngine(tiny_hf_model_dir, EngineConfig(block_size=BS, num_kv_blocks=64), tokenizer=dec.tokenizer)
+    prompt, params = _prompts()[3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = ref.generate([prompt], params)[0]
+    decode = AsyncEngine(dec)
+    front = DisaggregatedEngine([AsyncEngine(pre)], [decode])
+    handed_over = decode.call
+
+    async def late_call(fn):
+        pending = asyncio.ensure_future(handed_over(fn))
+        await asyncio.sleep(0)  # handed to the engine thread
+        time.sleep(0.5)  # the loop is busy elsewhere while the engine thread runs it and steps on
+        return await pending
+
+    decode.call = late_call
+    outs = asyncio.run(_collect(front, prompt, params))
+    front.shutdown()
+    assert len(outs) > 2  # the engine stepped before the loop resumed: several outputs were queued at once
+    assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
+    assert "".join(o.delta_text for o in outs) == want.text
+    _no_leaks(pre, dec)
+
+
 def test_router_serves_through_the_disaggregated_replica(tiny_hf_model_dir):
     from stages.serve.server import ServerThread, build_app, build_router
 
