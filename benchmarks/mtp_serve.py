@@ -5,7 +5,7 @@ spec_benchmark). Prints JSON lines: spec_speedup, acceptance_rate_first (the fir
 identical_greedy per proposer.
 
     python benchmarks/mtp_serve.py PRETRAIN_OUT TOKENIZER_DIR TOKENS_DIR EXPORT_DIR
-        [--config tiny] [--set model.mtp_depth=2] [--prompts 8] [--prompt-len 96] [--output-len 64]
+        [--config tiny] [--set model.mtp_depth=2] [--prompts 8] [--prompt-len 96] [--output-len 64] [--eager]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--eager", action="store_true",
+                    help="plain and speculative engines eager; by default both compile their steps, as served")
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = load_config(a.config, a.set)
@@ -58,7 +60,7 @@ def main() -> None:
         write_hf(sd, cfg.model, a.export_dir, dtype="float32", tokenizer_dir=a.tokenizer_dir)
     prompts = heldout_prompts(a.tokens_dir, a.tokenizer_dir, a.prompts, a.prompt_len)
     for d in spec_benchmark(str(a.export_dir), None, len(prompts), a.output_len, a.k, repeats=a.rounds,
-                            methods=["ngram", "mtp"], prompts=prompts, enforce_eager=True):
+                            methods=["ngram", "mtp"], prompts=prompts, enforce_eager=a.eager):
         print(json.dumps({k: v for k, v in d.items() if not k.startswith("rounds_")} | {
             "rounds_spec_speedup": d["rounds_spec_speedup"]}, default=float), flush=True)
 

@@ -12,7 +12,8 @@ them all; a lone sequence (size 1, which torch specialises), each query count (1
 speculating) and the joining-prompts case get their own. Other steps (a chunk of a long prompt, a
 prompt after a prefix-cache hit, logprobs, LoRA rows, an FP8 cache) run the same pass eagerly:
 compiling the pieces between attentions one by one was measured no faster, the cost of entering
-each compiled call (~80 us of guards and wrappers) eating what fusion saved.
+each compiled call (~80 us of guards and wrappers) eating what fusion saved. With MTP drafting
+(mtp_proposer.py) the compiled step also writes each row's last hidden state, which the drafts read.
 
 Mixture-of-experts models stay eager (`CompiledLayerPass.build` says so): their expert loop sizes
 each matmul from the per-expert token counts of the step (moe.py), shapes that change step by step.
@@ -34,6 +35,7 @@ from .attention import AttentionMetadata
 from .layer_pass import LayerPass
 
 log = logging.getLogger(__name__)
+RECOMPILE_LIMIT = 32
 
 
 class CompiledLayerPass:
@@ -44,6 +46,10 @@ class CompiledLayerPass:
     def __init__(self, model, eager: LayerPass):
         self.model, self.eager = model, eager
         self.compile_seconds = 0.0
+        # One engine compiles ~5 variants of `LayerPass.run`; engines in one process (replicas, a benchmark's
+        # plain and speculative pair) share that function's cache, and past torch's limit of 8 a variant
+        # would silently stay eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.num_calls = 0  # compiled calls made (warm-up included)
         self._run = torch.compile(eager.run)
         self._warming = False  # in warm_up_decode: mark the sizes that vary from step to step
@@ -73,8 +79,9 @@ class CompiledLayerPass:
             return False
         return logits_rows is None if len(g) == 1 else len(g) == 2 and meta.prompts_join
 
-    def run(self, ids, embed, cos, sin, weights, final_norm, lm_head, cache, meta, logits_rows) -> torch.Tensor:
-        args = (ids, embed, cos, sin, weights, final_norm, lm_head, cache, meta, logits_rows)
+    def run(self, ids, embed, cos, sin, weights, final_norm, lm_head, cache, meta, logits_rows,
+            hidden_out=None) -> torch.Tensor:
+        args = (ids, embed, cos, sin, weights, final_norm, lm_head, cache, meta, logits_rows, hidden_out)
         if self._warming:
             _mark_dynamic_sizes(ids, cos, sin, meta, logits_rows)
         try:

@@ -278,24 +278,22 @@ class LLMEngine:
         slots = None
         if row_capacity is not None:
             slots = DecodeSlots(shape, c.max_num_seqs, row_capacity, dtype, self.model.device)
-        self.compile_seconds = 0.0
-        if not c.enforce_eager and mtp is not None:
-            log.warning("speculative='mtp' runs the target eagerly (its hidden states feed the drafts)")
-        elif not c.enforce_eager:
-            if slots is None:  # what is compiled is the decode-slot step
-                log.warning("enforce_eager=False has no effect without decode slots (FP8 KV cache or "
-                            "decode_slots=False): running eager")
-            elif self.model.compile() and self.model.pieces.warm_up_decode(self.cache, slots, k):
-                self.compile_seconds = self.model.pieces.compile_seconds  # at start: no request pays for it
-        self.runner = ModelRunner(self.model, self.cache, self.kv, slots, c.logprobs_mode)
         self.proposer: NgramProposer | DraftModelProposer | MTPProposer | None = None
         if c.speculative == "ngram":
             self.proposer = NgramProposer(k, c.ngram_max, c.ngram_min, self.max_model_len)
         elif c.speculative == "draft":
             draft_cache = KVCacheTensors(self.draft_model.shape, num_blocks, c.block_size, dtype, self.model.device)
             self.proposer = DraftModelProposer(self.draft_model, draft_cache, k, self.max_model_len)
-        elif mtp is not None:
+        elif mtp is not None:  # before the warm-up: the target's steps then compile with the hidden-state writes
             self.proposer = MTPProposer(self.model, mtp[1], mtp[0], k, num_blocks, c.block_size, self.max_model_len)
+        self.compile_seconds = 0.0
+        if not c.enforce_eager:
+            if slots is None:  # what is compiled is the decode-slot step
+                log.warning("enforce_eager=False has no effect without decode slots (FP8 KV cache or "
+                            "decode_slots=False): running eager")
+            elif self.model.compile() and self.model.pieces.warm_up_decode(self.cache, slots, k):
+                self.compile_seconds = self.model.pieces.compile_seconds  # at start: no request pays for it
+        self.runner = ModelRunner(self.model, self.cache, self.kv, slots, c.logprobs_mode)
         self.eos_token_id = shape.eos_token_id if shape.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = model_stop_token_ids(self.model_dir, self.eos_token_id, self.tokenizer.eos_token_id)
         self._grammar_backend: GrammarBackend | None = None  # built by the first constrained request

@@ -443,13 +443,11 @@ class PagedLlama:
         weights = [self.layer_weights(li, lora) for li in range(len(self.layers))]
         pieces = self.pieces
         # adapter rows run eagerly, through the adapted weights; so does any step not warmed up
-        if self.hidden_cache is not None:  # the eager pass writes the hidden states MTP drafting reads
-            return pieces.eager.run(input_ids, self.embed, cos, sin, weights, self.final_norm, self.lm_head, cache,
-                                    meta, logits_index, hidden_out=self.hidden_cache)
         if lora is not None or not pieces.covers(meta, cache, logits_index):
             pieces = pieces.eager
+        # with MTP drafting, every step also writes the hidden states the drafts read (mtp_proposer.py)
         return pieces.run(input_ids, self.embed, cos, sin, weights, self.final_norm, self.lm_head, cache, meta,
-                          logits_index)
+                          logits_index, hidden_out=self.hidden_cache)
 
 
 def run_paged(

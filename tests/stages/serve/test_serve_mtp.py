@@ -105,6 +105,25 @@ def test_mtp_greedy_equals_plain_and_drafts_match_the_training_model(mtp_dir):
     assert spec.kv.num_allocated_blocks == 0
 
 
+def test_mtp_verify_steps_run_compiled_with_the_same_output(mtp_dir):
+    """With the decode step compiled (the server's default), MTP's verify steps run compiled too, writing
+    the hidden states its drafts read: same tokens and same drafts as the eager engine."""
+    from stages.serve.compiled_forward import CompiledLayerPass
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    opts = dict(num_kv_blocks=128, speculative="mtp", num_speculative_tokens=DEPTH)
+    eager = LLMEngine(mtp_dir, EngineConfig(**opts))
+    want = [o.token_ids for o in eager.generate(CODE, params)]
+    compiled = LLMEngine(mtp_dir, EngineConfig(enforce_eager=False, **opts))
+    pieces = compiled.model.pieces
+    assert isinstance(pieces, CompiledLayerPass)
+    warm = pieces.num_calls
+    assert [o.token_ids for o in compiled.generate(CODE, params)] == want
+    assert compiled.model.pieces is pieces and pieces.num_calls > warm + 5, "no verify step ran compiled"
+    labels = lambda e: {"model_name": e.model_name}  # noqa: E731
+    assert compiled.metrics.spec_accepted.value(**labels(compiled)) == eager.metrics.spec_accepted.value(**labels(eager))
+
+
 def test_mtp_sampling_keeps_the_target_distribution(mtp_dir):
     """The sampled engine runs end to end with MTP drafts; and chi-square on the first token from the
     rejection sampler, its drafts drawn from the distributions the MTP depths gave in that run (cut to
