@@ -235,6 +235,7 @@ def test_stream_keeps_its_order_when_the_loop_resumes_late(tiny_hf_model_dir):
     """The decode engine's first output (the prefill's token) comes before its steps' outputs even when
     the event loop is busy while the engine thread already steps: on a loaded server, that first output
     was queued last and the stream came out shuffled."""
+    import threading
     import time
 
     pre, dec, _ = _engines(tiny_hf_model_dir)
@@ -246,15 +247,28 @@ def test_stream_keeps_its_order_when_the_loop_resumes_late(tiny_hf_model_dir):
     handed_over = decode.call
 
     async def late_call(fn):
-        pending = asyncio.ensure_future(handed_over(fn))
+        added = threading.Event()
+
+        def add(engine):
+            try:
+                return fn(engine)
+            finally:
+                added.set()
+
+        pending = asyncio.ensure_future(handed_over(add))
         await asyncio.sleep(0)  # handed to the engine thread
-        time.sleep(0.5)  # the loop is busy elsewhere while the engine thread runs it and steps on
+        # the loop is busy elsewhere while the engine thread adds the request and runs it to its end
+        assert added.wait(60)
+        deadline = time.monotonic() + 60
+        while dec.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not dec.has_unfinished()
         return await pending
 
     decode.call = late_call
     outs = asyncio.run(_collect(front, prompt, params))
     front.shutdown()
-    assert len(outs) > 2  # the engine stepped before the loop resumed: several outputs were queued at once
+    assert len(outs) > 2  # every step's output, each queued before the loop resumed
     assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
     assert "".join(o.delta_text for o in outs) == want.text
     _no_leaks(pre, dec)
