@@ -53,6 +53,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-speculative", action="store_true", help="skip the speculative decoding figures")
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine's figure")
     p.add_argument("--server", choices=["process", "thread"], default="process")
+    p.add_argument("--engine-process", choices=["true", "false"], default=None,
+                   help="the server's --engine-process (default: its own default, the engine core in a process "
+                        "of its own; false: the engine on a thread of the server's process)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
     ns = p.parse_args(argv)
     if ns.dtype is None and ns.device == "cuda":
@@ -71,7 +74,8 @@ def main(argv: list[str]) -> int:
                     concurrency_sweep=ns.concurrency_sweep, in_process=not ns.no_in_process)
     return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=32, input_len=ns.input_len,
                                output_len=ns.output_len, range_ratio=0.75, json_schema=not ns.no_json_schema,
-                               rounds=ns.rounds, threads=ns.threads, server=ns.server, out=ns.out, **opts)
+                               rounds=ns.rounds, threads=ns.threads, server=ns.server, out=ns.out,
+                               engine_process=None if ns.engine_process is None else ns.engine_process == "true", **opts)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,11 @@ class Overloaded(RuntimeError):
 
 
 class EngineStopped(RuntimeError):
-    """The engine was shut down with the request still in flight."""
+    """The engine was shut down with the request still in flight (the server answers 503)."""
+
+
+class EngineDead(EngineStopped):
+    """The engine is gone without being shut down: its process exited or its step failed."""
 
 
 @dataclass

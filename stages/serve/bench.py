@@ -475,8 +475,11 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
     return results
 
 
-def start_server_process(model_dir: str, threads: int | None, timeout: float = 300.0, **engine_options):
-    """`python -m stages.serve.cli serve` in its own process on a free port; returns (process, url)."""
+def start_server_process(model_dir: str, threads: int | None, timeout: float = 300.0,
+                         engine_process: bool | None = None, **engine_options):
+    """`python -m stages.serve.cli serve` in its own process on a free port; returns (process, url).
+    `engine_process`: its --engine-process (None: the server's default, the engine core in a process of
+    its own)."""
     import os
     import subprocess
 
@@ -484,6 +487,8 @@ def start_server_process(model_dir: str, threads: int | None, timeout: float = 3
     cmd = [sys.executable, "-m", "stages.serve.cli", "serve", str(model_dir), "--port", str(port)]
     if threads:
         cmd += ["--threads", str(threads)]
+    if engine_process is not None:
+        cmd += ["--engine-process", str(engine_process).lower()]
     for k, v in engine_options.items():
         if v is not None:
             cmd += ["--" + k.replace("_", "-"), str(v)]
@@ -495,6 +500,13 @@ def start_server_process(model_dir: str, threads: int | None, timeout: float = 3
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout, "the server", lambda: proc.stderr.read().decode())
     return proc, url
+
+
+def sweep_requests(concurrency: int) -> int:
+    """Requests a sweep size runs: 4 x its concurrency, at least 32. Past a few sequences the engine's
+    throughput is flat, so neighbouring sizes differ by less than a short load's noise: 2 x c (16 at
+    c = 8, a quarter of a second) measured c = 32 below c = 8 in one run of three on a quiet machine."""
+    return max(4 * concurrency, 32)
 
 
 def free_port() -> int:
@@ -568,6 +580,7 @@ def bench_serve_command(
     goodput: list[str] | None = None,
     json_schema: bool = False,
     concurrency_sweep: list[int] | None = None,
+    engine_process: bool | None = None,
     **engine_options,
 ) -> int:
     """Run the load test (against `base_url`, or a server started here on `model_dir`; with neither,
@@ -627,7 +640,7 @@ def bench_serve_command(
             url = srv.url
         elif base_url is None:
             t_start = time.perf_counter()
-            proc, url = start_server_process(model_dir, threads, **engine_options)
+            proc, url = start_server_process(model_dir, threads, engine_process=engine_process, **engine_options)
             server_start_s = time.perf_counter() - t_start  # process start to /health, compilation included
         else:
             url = base_url.rstrip("/")
@@ -650,7 +663,7 @@ def bench_serve_command(
         if "hf" in baselines:  # on the engine's device and dtype, loaded once for the sweep and the rounds
             hf = hf_model(model_dir, engine_options.get("device") or "cpu", engine_options.get("dtype") or "float32")
         for i, c in enumerate(concurrency_sweep or []):  # first, on the fresh server: no warm-up of any size
-            sreqs = make_requests(tokenizer, max(2 * c, 16), input_len, output_len, range_ratio, seed + 500 + i)
+            sreqs = make_requests(tokenizer, sweep_requests(c), input_len, output_len, range_ratio, seed + 500 + i)
             sweep.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"), seed)))})
             if hf is not None:  # Hugging Face generate in static batches of the same size, on the same requests
                 import torch
@@ -744,7 +757,7 @@ def bench_serve_command(
             emit(line)
     for prev, row in zip([None, *sweep], sweep):
         emit({"figure": "serve_concurrency", "model": model, "workload": "fresh server, ascending concurrency, "
-              "2 x concurrency requests (at least 16), no warm-up", "input_len": input_len, "output_len": output_len,
+              "4 x concurrency requests (at least 32), no warm-up", "input_len": input_len, "output_len": output_len,
               **{k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
                                      "output_tokens_per_s", "ttft_ms", "tpot_ms")},
               **({"hf_static_output_tokens_per_s": row["hf_static_output_tokens_per_s"],

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                    help="prefill/decode disaggregation: this many prefill engines ship K/V to the --replicas "
                         "decode engines (disagg.py); 0: every engine does both")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    s.add_argument("--engine-process", nargs="?", const=True, type=_bool, default=None, metavar="BOOL",
+                   help="step the engine core in a process of its own, the HTTP server in this one (vLLM's "
+                        "layout). Default: on with one replica and no canary or disaggregation, which it cannot "
+                        "serve; false keeps the engine on a thread of the server's process")
     s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters served under their own model names (vLLM's option: NAME=PATH or "
                         "JSON {\"name\": ..., \"path\": ...}); VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also serves "
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
         return serve_command(ns.model_dir, ns.host, ns.port, ns.api_key, request_log=ns.request_log,
                              replicas=ns.replicas, canary_model_dir=ns.canary_model_dir,
                              canary_share=ns.canary_share, prefill_replicas=ns.prefill_replicas,
-                             lora_modules=ns.lora_modules, **_engine_options(ns))
+                             lora_modules=ns.lora_modules, engine_process=ns.engine_process, threads=ns.threads,
+                             **_engine_options(ns))
     from .bench import bench_serve_command, parse_goodput
 
     try:

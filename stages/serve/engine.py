@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -214,7 +214,47 @@ def model_stop_token_ids(model_dir: Path, *ids: int | None) -> frozenset[int]:
     return frozenset(int(i) for i in found)
 
 
-class LLMEngine:
+class RequestChecks:
+    """What turns a prompt into ids and refuses a request that can never run, shared by the engine and
+    the API process's stand-in for an engine core in another process (engine_core.EngineFront). Needs
+    `tokenizer`, `max_model_len`, `vocab_size` and `_grammar_backend` (None until the first grammar)."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    _grammar_backend: GrammarBackend | None
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (a 400 for the server) when the request can never run."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self.max_model_len} tokens"
+            )
+        if params.structured_output is not None:  # an invalid schema, regex or grammar fails here
+            self.grammar_backend().compile(params.structured_output)
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this engine's vocabulary (structured_output.py)."""
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammar_backend
+
+
+class LLMEngine(RequestChecks):
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, tokenizer=None,
                  metrics: ServeMetrics | None = None):
         from transformers import AutoTokenizer
@@ -230,6 +270,7 @@ class LLMEngine:
         self.model = PagedLlama.from_pretrained(self.model_dir, dtype=dtype, device=c.device)
         shape = self.model.shape
         self.max_model_len = min(c.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+        self.vocab_size = shape.vocab_size
         fp8 = c.kv_cache_dtype == "fp8"
         # fp8 stores 1 byte per value plus a 4-byte scale per (token, head): count both
         per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1 if fp8 else dtype.itemsize)
@@ -319,35 +360,6 @@ class LLMEngine:
         if backend is not None:  # the Rust tokenizer directly: transformers' wrapper costs more than the decode
             return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = [int(t) for t in prompt]
-        vocab = self.model.shape.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (a 400 for the server) when the request can never run."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context length of {self.max_model_len} tokens"
-            )
-        if params.structured_output is not None:  # an invalid schema, regex or grammar fails here
-            self.grammar_backend().compile(params.structured_output)
-
-    def grammar_backend(self) -> GrammarBackend:
-        """The structured-output compiler over this engine's vocabulary (structured_output.py)."""
-        if self._grammar_backend is None:
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.model.shape.vocab_size)
-        return self._grammar_backend
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False, lora_name: str | None = None) -> str:

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .async_engine import AsyncEngine, Overloaded
+from .async_engine import AsyncEngine, EngineStopped, Overloaded
 from .engine import RequestOutput
 from .protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
                        SamplingRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
@@ -86,7 +86,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
     server read any folder a client names."""
     app = FastAPI(title="eightfold serve")
     app.state.router = router
-    metrics = router.primary.engine.metrics
+    metrics = getattr(router.primary.engine, "metrics", None)
     eng0 = router.primary.engine  # the tokenizer and context every replica shares
 
     @app.exception_handler(RequestValidationError)
@@ -96,6 +96,10 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
         return _error(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(EngineStopped)
+    async def _engine_gone(_req, exc: EngineStopped):  # shut down, or its process exited: unavailable, not a bug
+        return _error(503, str(exc), "server_error")
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -109,7 +113,10 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        # an engine core in another process keeps its metrics there (engine_core.py)
+        remote = getattr(router.primary, "metrics_text", None)
+        text = await remote() if remote is not None else metrics.render()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version():
@@ -298,7 +305,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
                 return _error(400, "prompt must not be empty", param="prompt")
             jobs = []
             for pi, ids in enumerate(all_ids):
-                base = body.sampling_params(_max_tokens(body.max_tokens, ids), logprobs, plp, eng0.model.shape.vocab_size)
+                base = body.sampling_params(_max_tokens(body.max_tokens, ids), logprobs, plp, eng0.vocab_size)
                 eng = _route(body, ids)
                 await _check(eng.engine, ids, base)
                 jobs += [(pi, eng, ids, params) for params in _copies(base, k)]
@@ -356,7 +363,7 @@ def build_app(router: Router, api_key: str | None = None, request_log: RequestLo
             top = (body.top_logprobs or 0) if body.logprobs else None
             eng = _route(body, ids)
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            base = body.sampling_params(_max_tokens(limit, ids), top, body.prompt_logprobs, eng0.model.shape.vocab_size)
+            base = body.sampling_params(_max_tokens(limit, ids), top, body.prompt_logprobs, eng0.vocab_size)
             await _check(eng.engine, ids, base)
             jobs = [(i, eng, ids, params) for i, params in enumerate(_copies(base, body.n))]
         except LookupError as e:
@@ -539,17 +546,30 @@ def _version() -> str:
 
 def build_router(model_dir: str, *, replicas: int = 1, canary_model_dir: str | None = None,
                  canary_share: float = 0.0, prefill_replicas: int = 0, lora_modules: dict[str, str] | None = None,
-                 **engine_options) -> Router:
+                 engine_process: bool = False, threads: int | None = None, **engine_options) -> Router:
     """Engines for a checkpoint folder (several replicas share one metrics registry) and an optional canary.
     `prefill_replicas` > 0: prefill/decode disaggregation, the `replicas` engines decode and that many
     more prefill, all behind one DisaggregatedEngine (disagg.py). `lora_modules`: name -> PEFT adapter
-    folder, each served under its name (vLLM's --lora-modules)."""
+    folder, each served under its name (vLLM's --lora-modules). `engine_process`: the engine core steps in
+    a process of its own with `threads` torch threads (engine_core.py); one replica, no canary, no
+    disaggregation."""
     from .engine import EngineConfig, LLMEngine
     from .metrics import ServeMetrics
     from .router import RouterConfig
 
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if engine_process:
+        from .engine_core import EngineCoreClient
+
+        apart = [f"{k}={v}" for k, v, alone in (("replicas", replicas, 1), ("prefill_replicas", prefill_replicas, 0),
+                                                ("canary_model_dir", canary_model_dir, None)) if v != alone]
+        if apart:
+            raise ValueError(f"the engine core in its own process serves one replica: {', '.join(apart)} need "
+                             "engine_process off (--engine-process false)")
+        client = EngineCoreClient(model_dir, EngineConfig.from_options(**engine_options), lora_modules=lora_modules,
+                                  threads=threads)
+        return Router([client])
     metrics = ServeMetrics()
     cfg = EngineConfig.from_options(**engine_options)
     first = LLMEngine(model_dir, cfg, metrics=metrics)
@@ -597,9 +617,11 @@ def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
 def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                   request_log: str | None = None, replicas: int = 1, canary_model_dir: str | None = None,
                   canary_share: float = 0.0, prefill_replicas: int = 0, lora_modules: list[str] | None = None,
-                  **engine_options) -> int:
+                  engine_process: bool | None = None, threads: int | None = None, **engine_options) -> int:
     """`eightfold serve MODEL_DIR`: an OpenAI-compatible server until interrupted. Returns an exit code.
-    The LoRA load/unload endpoints are served when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (vLLM's switch)."""
+    The LoRA load/unload endpoints are served when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (vLLM's switch).
+    `engine_process` None: the engine core in its own process wherever it can be (one replica, no canary,
+    no disaggregation), as vLLM runs it."""
     import uvicorn
     from rich.console import Console
 
@@ -607,21 +629,30 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api
     if not (Path(model_dir) / "config.json").exists():
         console.print(f"[red]{model_dir} is not a Hugging Face checkpoint folder (no config.json)[/red]")
         return 2
+    if engine_process is None:
+        engine_process = replicas == 1 and not prefill_replicas and not canary_model_dir
     try:
         router = build_router(model_dir, replicas=replicas, canary_model_dir=canary_model_dir,
                               canary_share=canary_share, prefill_replicas=prefill_replicas,
-                              lora_modules=parse_lora_modules(lora_modules), **engine_options)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+                              lora_modules=parse_lora_modules(lora_modules), engine_process=engine_process,
+                              threads=threads, **engine_options)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         console.print(f"[red]cannot start the engine: {e}[/red]")
         return 2
     runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
     app = build_app(router.start(), api_key, RequestLog(request_log) if request_log else None,
                     runtime_lora_updating=runtime_lora)
     e = router.primary.engine
+    hello = getattr(e, "hello", None)  # an engine core in its own process: its start-up figures
+    if hello is None:
+        hello = {"kv_budget": e.kv_budget.describe(e.config.block_size, e.config.max_num_seqs),
+                 "kv_bytes_per_token": e.kv_bytes_per_token, "compiled": e.model.pieces.compiled,
+                 "compile_seconds": e.compile_seconds}
     console.print(f"serving [bold]{e.model_name}[/bold] ({router.model_names()}) at http://{host}:{port}/v1 "
-                  f"- {e.kv_budget.describe(e.config.block_size, e.config.max_num_seqs)} "
-                  f"of kv_cache_memory_gb={e.config.kv_cache_memory_gb:g}, {e.kv_bytes_per_token} bytes/token; "
-                  + (f"forward compiled in {e.compile_seconds:.1f} s; " if e.model.pieces.compiled else "eager; ")
+                  f"- {hello['kv_budget']} "
+                  f"of kv_cache_memory_gb={e.config.kv_cache_memory_gb:g}, {hello['kv_bytes_per_token']} bytes/token; "
+                  + (f"forward compiled in {hello['compile_seconds']:.1f} s; " if hello["compiled"] else "eager; ")
+                  + ("engine core in its own process; " if engine_process else "")
                   + (f"{prefill_replicas} prefill engine(s) shipping K/V to {replicas} decode engine(s); "
                      if prefill_replicas else "")
                   + (f"LoRA adapters {router.lora_names()}; " if router.lora_names() else "")

