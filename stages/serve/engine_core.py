@@ -49,7 +49,20 @@ def _wire(o: RequestOutput, first: bool) -> tuple:
 def _core_main(model_dir: str, config: EngineConfig, lora_modules: dict[str, str], threads: int | None,
                requests, outputs) -> None:
     """The core process: build the engine, say hello, then step while anything is unfinished and
-    handle what the API process sends between steps."""
+    handle what the API process sends between steps. It ends when told to, or when the API process
+    is gone (its pipe closes)."""
+    import signal
+
+    # Ctrl-C reaches the whole process group: the API process decides when the core stops (as vLLM's)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve_core(model_dir, config, lora_modules, threads, requests, outputs)
+    except (BrokenPipeError, EOFError, ConnectionResetError):  # the API process went away mid-message
+        pass
+
+
+def _serve_core(model_dir: str, config: EngineConfig, lora_modules: dict[str, str], threads: int | None,
+                requests, outputs) -> None:
     import torch
 
     from .engine import LLMEngine

@@ -147,3 +147,66 @@ def test_a_core_that_cannot_start_says_why(tmp_path):
 def test_layouts_it_does_not_serve_are_refused_by_name(tiny_hf_model_dir, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         build_router(str(tiny_hf_model_dir), engine_process=True, **kwargs, **OPTIONS)
+
+
+def _serve(model_dir, port: int):
+    """`eightfold serve`'s command line in a process group of its own, as a terminal runs it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "stages.serve.cli", "serve", str(model_dir), "--port", str(port),
+                             "--threads", "1", "--enforce-eager", "--num-kv-blocks", "64"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def _core_pids(parent: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if os.path.exists(f"/proc/{pid}/stat") and open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            return True  # exited, not yet reaped by its (dead) parent
+        time.sleep(0.1)
+    return False
+
+
+def test_ctrl_c_stops_server_and_core_quietly_and_a_killed_server_takes_its_core_along(tiny_hf_model_dir):
+    from stages.serve.bench import free_port
+
+    port = free_port()
+    proc = _serve(tiny_hf_model_dir, port)
+    cores = _core_pids(proc.pid)
+    assert cores, "eightfold serve runs its engine core in a child process by default"
+    assert httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                      json={"prompt": "x", "max_tokens": 4}).json()["usage"]["completion_tokens"] == 4
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole group gets it
+    assert proc.wait(30) == 0
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err, err
+    assert all(_gone(pid, 10) for pid in cores)
+
+    proc = _serve(tiny_hf_model_dir, port)
+    cores = _core_pids(proc.pid)
+    proc.kill()  # no shutdown at all: the core sees its pipe close and ends
+    proc.wait(10)
+    assert cores and all(_gone(pid, 10) for pid in cores)
