@@ -291,6 +291,22 @@ def _posttrain_row(name: str, m: dict) -> list[str]:
             num("heldout_ppl_ratio", ".3f") + (f" (limit {limit})" if limit is not None else "")]
 
 
+def _rlhf_rows(summaries: dict[str, dict]) -> list[list[str]]:
+    rows = []
+    rm, ppo = summaries.get("posttrain-rm") or {}, summaries.get("posttrain-ppo") or {}
+    if isinstance(rm.get("pairwise_accuracy_after"), (int, float)):
+        rows.append(["posttrain-rm", f"pairwise accuracy {rm['pairwise_accuracy_after']:.3f} ± "
+                     f"{rm.get('pairwise_accuracy_after_se', float('nan')):.3f} on {rm.get('pairs_n', '?')} held-out "
+                     f"pairs, {rm.get('pairwise_accuracy_z', float('nan')):.1f} SE above chance; the SFT model's "
+                     f"likelihood ranks {rm.get('sft_preference_accuracy_before', float('nan')):.3f}"])
+    if isinstance(ppo.get("heldout_reward_after"), (int, float)):
+        rows.append(["posttrain-ppo", f"held-out reward {ppo.get('heldout_reward_before', float('nan')):.3f} -> "
+                     f"{ppo['heldout_reward_after']:.3f}, gain {ppo.get('heldout_reward_gain', float('nan')):+.3f} "
+                     f"({ppo.get('heldout_reward_gain_se', float('nan')):.3f}); KL to SFT per sequence "
+                     f"{ppo.get('train_kl', float('nan')):.3f} at coefficient {ppo.get('train_kl_coef', float('nan')):g}"])
+    return rows
+
+
 def write_report(cfg: LifecycleConfig, refs: dict[str, dict], out_dir: Path | None = None) -> Path:
     """Write report.md + report.html (+ PNGs) for the stages in `refs`; returns the .md path."""
     import time
@@ -339,8 +355,16 @@ def write_report(cfg: LifecycleConfig, refs: dict[str, dict], out_dir: Path | No
     else:
         doc.p("Each step's gain on the held-out task (with its paired standard error) and what it cost the language "
               "model: perplexity on held-out pretraining text, and its ratio to the pretrained model's.")
+        summaries = {name: s.ref.get("summary") or s.manifest.get("summary") or {} for name, s in steps}
         doc.table(["step", "held-out accuracy", "gain (se)", "held-out ppl", "ppl / pretrained"],
-                  [_posttrain_row(name, s.ref.get("summary") or s.manifest.get("summary") or {}) for name, s in steps])
+                  [_posttrain_row(name, m) for name, m in summaries.items() if name != "posttrain-rm"])
+        rlhf = _rlhf_rows(summaries)
+        if rlhf:
+            doc.p("Classic RLHF: the reward model's held-out pairwise accuracy (the right answer scored above a near "
+                  "miss) with its binomial standard error and distance from chance, beside the SFT model's own "
+                  "likelihood ranking of the same pairs; PPO's held-out reward (the reward model's mean score of the "
+                  "greedy answers, paired standard error) and its KL to the SFT model.")
+            doc.table(["step", "figures"], rlhf)
 
     doc.h2("Scaling-law fit")
     abl = info.get("ablations")

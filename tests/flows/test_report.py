@@ -84,6 +84,14 @@ def test_report_full_and_partial(micro, tmp_path, monkeypatch):
     refs["evaluate"] = _fake_artifact(ws, "evaluate", "3" * 16, {"evaluation.md": table.encode()}, {"variants": 2}, tmp_path)
     refs["serve"] = _fake_artifact(ws, "serve", "4" * 16, {"bench.jsonl": b"{}\n"},
                                    {"ttft_ms_p50": 41.5, "latency_ms_p99": 120.25}, tmp_path)
+    refs["posttrain-rm"] = _fake_artifact(ws, "posttrain-rm", "6" * 16, {"posttrain.json": b"{}"}, {
+        "pairwise_accuracy_after": 0.7708, "pairwise_accuracy_after_se": 0.0116, "pairs_n": 1344,
+        "pairwise_accuracy_z": 23.62, "sft_preference_accuracy_before": 0.7537}, tmp_path)
+    refs["posttrain-ppo"] = _fake_artifact(ws, "posttrain-ppo", "7" * 16, {"posttrain.json": b"{}"}, {
+        "heldout_accuracy_before": 0.2946, "heldout_accuracy_after": 0.3259, "heldout_accuracy_gain": 0.0312,
+        "heldout_accuracy_gain_se": 0.0312, "heldout_reward_before": -1.6175, "heldout_reward_after": -1.3859,
+        "heldout_reward_gain": 0.2316, "heldout_reward_gain_se": 0.2649, "train_kl": 0.4313, "train_kl_coef": 0.05},
+        tmp_path)
 
     path = print_summary(cfg, refs)
     assert path == ws.workdir / "report" / "micro" / "report.md"
@@ -98,6 +106,12 @@ def test_report_full_and_partial(micro, tmp_path, monkeypatch):
     assert "| ttft_ms_p50 | 41.5 |" in md and "| latency_ms_p99 | 120.2 |" in md
     assert "eightfold serve --latest" in md and "mlflow ui --backend-store-uri" in md
     assert "This run in MLflow: `lifecycle-" in md
+    # classic RLHF: the reward model's ranking and PPO's reward and KL beside the accuracy table
+    assert "| posttrain-ppo | 0.295 -> 0.326 | +0.031 (0.031) |" in md and "| posttrain-rm | - -> -" not in md
+    assert ("| posttrain-rm | pairwise accuracy 0.771 ± 0.012 on 1344 held-out pairs, 23.6 SE above chance; "
+            "the SFT model's likelihood ranks 0.754 |") in md
+    assert "| posttrain-ppo | held-out reward -1.617 -> -1.386, gain +0.232 (0.265); KL to SFT per sequence 0.431 " \
+           "at coefficient 0.05 |" in md
     # Self-contained HTML: both PNGs inline and decodable.
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
     assert len(images) == 2 and all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
