@@ -20,6 +20,7 @@ other design: 2219 vs 2179, 3720 vs 3685, 2774 vs 2186, 3154 vs 1747 (threaded f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -70,6 +71,26 @@ def _hand_back(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue,
         return True
     except RuntimeError:
         return False
+
+
+async def stream_outputs(queue: asyncio.Queue, leave: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive in its queue, until the finished one (an exception queued
+    instead is raised); then `leave(finished)`, where finished is False when the reader left early (a
+    client disconnect): the caller aborts the request then. Read it under contextlib.aclosing, so
+    that leaving early reaches `leave` at once."""
+    finished = False
+    try:
+        while True:
+            out = await queue.get()
+            if isinstance(out, BaseException):
+                finished = True
+                raise out
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        leave(finished)
 
 
 def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -170,7 +191,6 @@ class AsyncEngine:
             raise Overloaded(f"server overloaded: {len(self._in_flight)} requests in flight")
         rid = request_id or f"{self.model_name}-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        finished = False
         if prefilled is not None:
             if lora_name is not None:
                 raise ValueError("LoRA adapters are not served with prefill/decode disaggregation")
@@ -187,20 +207,14 @@ class AsyncEngine:
                 raise ValueError(str(e)) from None
             self._in_flight[rid] = stream
             self._hand_over(lambda: self._add(req, hold_kv, stream))
-        try:
-            while True:
-                out = await stream.queue.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                finished = out.finished
+        async with contextlib.aclosing(stream_outputs(stream.queue, lambda done: self._leave(rid, done))) as outs:
+            async for out in outs:
                 yield out
-                if finished:
-                    return
-        finally:
-            self._in_flight.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+
+    def _leave(self, rid: str, finished: bool) -> None:
+        self._in_flight.pop(rid, None)
+        if not finished:
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._in_flight.pop(request_id, None)

@@ -20,6 +20,7 @@ and a canary (each needs engines the API process reaches in place); build_router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
-from .async_engine import EngineDead, EngineStopped, Overloaded
+from .async_engine import EngineDead, EngineStopped, Overloaded, _hand_back, _settle, stream_outputs
 from .engine import EngineConfig, RequestChecks, RequestOutput
 from .sampling import SamplingParams
 
@@ -306,22 +307,19 @@ class EngineCoreClient:
         rid = request_id or f"{self.model_name}-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), ids)
         self._streams[rid] = stream
-        finished = False
         try:
             self._send(("add", rid, ids, params, lora_name))
-            while True:
-                out = await stream.queue.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
+        except BaseException:
             self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+            raise
+        async with contextlib.aclosing(stream_outputs(stream.queue, lambda done: self._leave(rid, done))) as outs:
+            async for out in outs:
+                yield out
+
+    def _leave(self, rid: str, finished: bool) -> None:
+        self._streams.pop(rid, None)
+        if not finished:
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -391,23 +389,3 @@ class EngineCoreClient:
             self.process.join(5)
         self._fail_all(EngineStopped(f"engine {self.model_name} was shut down"))
         self._requests.close()
-
-
-def _put_all(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def _hand_back(loop: asyncio.AbstractEventLoop, items: list) -> None:
-    try:
-        loop.call_soon_threadsafe(_put_all, items)
-    except RuntimeError:  # that loop is closed: nobody reads these any more
-        pass
-
-
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if not fut.done():
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
