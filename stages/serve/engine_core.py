@@ -2,7 +2,7 @@
 
 In one process the engine's steps and the HTTP work (uvicorn, starlette, each streamed chunk) share one
 interpreter and its GIL: measured on 2 cores, the served load kept 0.6-0.85 of what the same engine makes
-without HTTP. Here the core process does nothing but step: it reads requests and aborts from a pipe
+without HTTP; in this layout it keeps 0.96-0.99 (benchmarks/serve_throughput.py). Here the core process does nothing but step: it reads requests and aborts from a pipe
 between two steps and writes each step's outputs back as one message; the API process keeps everything
 else (tokenising, chat templates, request checks, grammar checks, streaming).
 
@@ -122,7 +122,8 @@ def _serve_core(model_dir: str, config: EngineConfig, lora_modules: dict[str, st
             try:
                 outs = engine.step()
             except Exception as e:  # noqa: BLE001 - every request fails rather than hang
-                outputs.send(("dead", f"engine step failed: {e!r}\n{traceback.format_exc()}"))
+                log.error("engine step failed\n%s", traceback.format_exc())  # the server's stderr
+                outputs.send(("dead", f"engine step failed: {e!r}"))
                 return
             if outs:
                 wire = []
