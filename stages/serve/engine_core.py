@@ -28,7 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from .async_engine import EngineDead, EngineStopped, Overloaded, _hand_back, _settle, stream_outputs
 from .engine import EngineConfig, RequestChecks, RequestOutput
@@ -229,7 +229,7 @@ class EngineCoreClient:
             raise ValueError(f"the engine core could not start: {hello[1]}")
         self.engine = EngineFront(model_dir, config, hello[1], self)
         self._streams: dict[str, _Stream] = {}
-        self._calls: dict[int, tuple] = {}  # call id -> (settle(result, error))
+        self._calls: dict[int, Callable[[Any, BaseException | None], None]] = {}  # call id -> settle(result, error)
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._closed = False
