@@ -3,9 +3,12 @@ the group; torchrun's restart (pretrain.max_restarts through the local launcher)
 latest committed checkpoint with no manual step, and the final weights are bit-identical to an
 uninterrupted run (so DDP's exact resume holds too). Resharding: the dp=2 checkpoint loads onto one
 process and a one-process checkpoint onto dp=2, with weights equal at load and the data position
-carried over by global sample index. Stragglers (trainer/stragglers.py) ride on the same launches:
-the uninterrupted run's ranks are even (ratio < 1.5), and the killed run's rank 1 is also made slow
-before the kill and is reported as the slowest with ratio > 1.5."""
+carried over by global sample index. Stragglers (trainer/stragglers.py) ride on the same launches: the
+killed run's rank 1 is also made slow before the kill (0.1 s of sleep in each of its two forwards per
+step) and is reported as the slowest on most steps, with at least those 0.2 s in its window; the
+uninterrupted run's slowest window stays well under them. Wall time on a loaded 2-core machine is noise
+for the ratio of two ~15 ms windows (CI saw a median of 1.50 for the even run and 1.64 for one slowed
+step), so the ratio is checked only for its bounds."""
 
 from __future__ import annotations
 
@@ -37,8 +40,20 @@ def reference(byte_tokens, tmp_path_factory):
     assert code == 0, log[-4000:]
     res = result(spec)
     even = straggler_rows(spec)
-    assert len(even) == 6 and statistics.median(r["straggler/ratio"] for r in even) < 1.5, even
+    assert len(even) == 6 and all(well_formed(r) for r in even), even
+    # no rank carries a straggler's 0.2 s: the median over steps of the slowest window was 12-68 ms in seven
+    # CI runs on 2 loaded cores (one step reached 0.14 s)
+    assert statistics.median(r["straggler/compute_s_max"] for r in even) < SLOWED_S, even
     return {"spec": spec, "weights": checkpoint_weights(res.checkpoint, spec.config), "losses": losses(spec)}
+
+
+SLOWED_S = 2 * 0.1  # the slow rank's sleep per step: two micro-batches' forwards (8 / (2 x dp 2)), 0.1 s each
+
+
+def well_formed(row: dict) -> bool:
+    """max / median of two ranks lies in [1, 2]; the slowest window is the max."""
+    return (1.0 <= row["straggler/ratio"] <= 2.0 + 1e-9
+            and row["straggler/compute_s_max"] >= row["straggler/compute_s_median"] > 0)
 
 
 def straggler_rows(spec) -> list[dict]:
@@ -78,7 +93,8 @@ def test_killed_rank_restarts_from_checkpoint(reference, byte_tokens, tmp_path):
     assert [r["step"] for r in first][:4] == [1, 2, 3, 4]  # (rank 0 may log step 5 before it sees rank 1 die)
     # rank 1 is the slowest on most steps (on a loaded 2-core machine another process can stall rank 0 for one)
     assert sum(r["straggler/slowest_rank"] == 1.0 for r in first) > len(first) / 2, first
-    assert statistics.median(r["straggler/ratio"] for r in first) > 1.5, first
+    # by construction: rank 1 slept 0.2 s inside its window on every step, so the slowest window holds it
+    assert all(well_formed(r) and r["straggler/compute_s_max"] >= SLOWED_S for r in first), first
     assert_equal_weights(checkpoint_weights(res.checkpoint, spec.config), reference["weights"])
 
 
