@@ -128,8 +128,7 @@ def _stacks(log_path: Path) -> str:
     if not log_path.exists():
         return f"(no log at {log_path})"
     lines = log_path.read_text(errors="replace").splitlines()
-    picked = [line for line in lines if line.startswith(("Thread 0x", "Current thread 0x", '  File "'))
-              and "torch/distributed/elastic" not in line]
+    picked = [line for line in lines if line.startswith(("Thread 0x", "Current thread 0x", '  File "'))]
     return "\n".join(picked[-200:]) or f"(no stacks in {log_path})"
 
 

@@ -1,6 +1,8 @@
 """`torchrun --nproc-per-node N -m trainer JOB.yaml` (or `python -m trainer JOB.yaml` for one process):
 join the process group, run the job the spec's section names, then rank 0 writes result.json."""
 
+import faulthandler
+import signal
 import sys
 import traceback
 
@@ -26,6 +28,9 @@ def run_job(job_file: str) -> int:
     """The `python -m trainer JOB.yaml` entry point: train, then rank 0 writes result.json. Returns the
     process exit code (0 completed, 1 failed, 2 diverged)."""
     audit.install()  # off unless a drill asks (trainer/audit.py)
+    # A cancelled rank (the stage ends a job stuck after its result, a user cancels a hung one) prints every
+    # thread's stack into the job's log on its way out: where it was is what the person looking needs.
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
     spec = JobSpec.read(job_file).on_this_node()  # inputs cache, staging, heartbeats: this node's own disk
     cfg = LifecycleConfig.model_validate(spec.config)
     init_distributed(cfg)
@@ -67,9 +72,7 @@ def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     completed result.json is in (stages.pretrain.TEARDOWN_GRACE_S): SIGTERM then prints this rank's stacks,
     whole (not chained to the default action, which would end the process mid-dump when a second SIGTERM
     comes, from the agent and the launcher both), and the SIGKILL that follows every cancel ends it."""
-    import faulthandler
     import os
-    import signal
     import threading
 
     faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=False)
