@@ -60,7 +60,7 @@ def main() -> None:
         write_hf(sd, cfg.model, a.export_dir, dtype="float32", tokenizer_dir=a.tokenizer_dir)
     prompts = heldout_prompts(a.tokens_dir, a.tokenizer_dir, a.prompts, a.prompt_len)
     for d in spec_benchmark(str(a.export_dir), None, len(prompts), a.output_len, a.k, repeats=a.rounds,
-                            methods=["ngram", "mtp"], prompts=prompts, enforce_eager=a.eager):
+                            methods=["ngram", "mtp", "ceiling"], prompts=prompts, enforce_eager=a.eager):
         print(json.dumps({k: v for k, v in d.items() if not k.startswith("rounds_")} | {
             "rounds_spec_speedup": d["rounds_spec_speedup"]}, default=float), flush=True)
 

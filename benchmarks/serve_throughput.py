@@ -1,7 +1,8 @@
 """Serving throughput: the engine behind its OpenAI-compatible server at concurrency 32 against
 Hugging Face `generate` (one request at a time, and static batches of 32) and llama.cpp's
 llama-server (its f16 GGUF, the same load; built once into a cache, skipped where it cannot be) on
-the same checkpoint and prompts, plus speculative decoding on repetitive code prompts. First, on
+the same checkpoint and prompts, plus speculative decoding on repetitive code prompts (n-gram, the draft
+model, and the ceiling: drafts that are the plain greedy output, accepted always and free to make). First, on
 the fresh server, a concurrency sweep (1, 8, 32, 64, 128): each size's tokens/s should be no lower
 than the one before it. One JSON line per figure.
 
@@ -71,7 +72,9 @@ def main(argv: list[str]) -> int:
         opts.update(baseline=None, speculative=False, in_process=False)
     else:
         opts.update(baseline=ns.baseline or None, speculative=not ns.no_speculative,
-                    concurrency_sweep=ns.concurrency_sweep, in_process=not ns.no_in_process)
+                    concurrency_sweep=ns.concurrency_sweep, in_process=not ns.no_in_process,
+                    # the default checkpoint comes with a draft model; the ceiling bounds every proposer's speedup
+                    speculative_methods=(["draft"] if ns.model_dir is None else []) + ["ceiling"])
     return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=32, input_len=ns.input_len,
                                output_len=ns.output_len, range_ratio=0.75, json_schema=not ns.no_json_schema,
                                rounds=ns.rounds, threads=ns.threads, server=ns.server, out=ns.out,

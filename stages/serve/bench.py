@@ -23,7 +23,8 @@ in flight and the same threads, loads it with the same client and requests in ea
 reports `ratio` = our output tokens/s over llama.cpp's.
 `--speculative` decodes repetitive code prompts one at a time with and without speculation
 (n-gram prompt lookup, and the draft model when given; `--speculative draft mtp ...` names the
-proposers timed beside n-gram, mtp being the checkpoint's own MTP modules) and reports `spec_speedup` (median over
+proposers timed beside n-gram, mtp being the checkpoint's own MTP modules, ceiling the bound on them all:
+drafts that are the plain greedy output, always accepted, free to make) and reports `spec_speedup` (median over
 alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate (and the first
 draft token's, `acceptance_rate_first`) and whether the greedy outputs are identical.
 `--spec-prompts-file` (a JSON list of strings) replaces the repetitive code prompts, e.g. by held-out,
@@ -404,6 +405,24 @@ def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequ
     return {"sequential": seq_tps, "static": static_tps, "sequential_requests": sequential_requests}
 
 
+class KnownContinuation:
+    """The speculation ceiling's proposer: drafts that are the plain engine's own greedy continuation of each
+    prompt, so every draft is accepted and drafting costs nothing. Its `spec_speedup` is the most that
+    verifying k drafts per step can give on this machine and model, whatever the drafter: a real one
+    accepts fewer and pays for its drafts. (A benchmark's yardstick, never an engine's proposer.)"""
+
+    def __init__(self, k: int, max_model_len: int, continuations: dict[tuple[int, ...], list[int]]):
+        self.k, self.max_model_len, self.continuations = k, max_model_len, continuations
+
+    def propose(self, reqs) -> None:
+        from .speculative import _budget
+
+        for r in reqs:
+            known, n = self.continuations[tuple(r.prompt_token_ids)], r.num_output_tokens
+            r.spec_token_ids = known[n:n + _budget(r, self.k, self.max_model_len)]
+            r.spec_draft_probs = None
+
+
 def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int, output_len: int, k: int,
                    repeats: int = 3, methods: list[str] | None = None, prompts: list[str] | None = None,
                    **engine_options) -> list[dict[str, Any]]:
@@ -412,7 +431,10 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
     Plain and speculative passes alternate `repeats` times on engines built once, and the median
     of the per-repeat ratios is reported: a burst of load from another process then skews one
     repeat, not the figure. Decode time is wall time (`spec_speedup`) and, as the engine runs on
-    one thread, process CPU time too (`spec_speedup_cpu`: what other processes cannot inflate)."""
+    one thread, process CPU time too (`spec_speedup_cpu`: what other processes cannot inflate).
+
+    Method "ceiling" drafts the plain engine's own greedy continuation (KnownContinuation): acceptance 1,
+    drafting free, so its speedup bounds every proposer's at the same k."""
     from .engine import EngineConfig, LLMEngine
     from .sampling import SamplingParams
 
@@ -424,6 +446,8 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
         eng = LLMEngine(model_dir, EngineConfig.from_options(**{**engine_options, **extra}))
         eng.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
         return eng
+
+    continuations: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the plain engine's greedy output
 
     def run(eng: LLMEngine) -> tuple[list[list[int]], float, float]:
         eng.reset_prefix_cache()  # every repeat prefills its prompts again
@@ -438,6 +462,8 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
                         first = (time.perf_counter(), time.process_time())
                     if o.finished and o.request_id == rid:
                         outs.append(o.token_ids)
+                        if eng is plain_engine:
+                            continuations[tuple(o.prompt_token_ids)] = list(o.token_ids)
             wall += time.perf_counter() - (first[0] if first else t0)
             cpu += time.process_time() - (first[1] if first else c0)
         return outs, wall, cpu
@@ -450,7 +476,11 @@ def spec_benchmark(model_dir: str, draft_model_dir: str | None, num_prompts: int
     kinds = [(m, {"draft_model_dir": draft_model_dir} if m == "draft" else {}) for m in methods]
     results = []
     for kind, extra in kinds:
-        eng = build(speculative=kind, num_speculative_tokens=k, **extra)
+        eng = build(speculative="ngram" if kind == "ceiling" else kind, num_speculative_tokens=k, **extra)
+        if kind == "ceiling":  # n-gram's engine (steps compiled for 1 + k queries) with the known drafts
+            if not continuations:
+                run(plain_engine)
+            eng.proposer = KnownContinuation(k, eng.max_model_len, continuations)
         reps = []
         for _ in range(max(1, repeats)):
             plain, plain_s, plain_cpu = run(plain_engine)

@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                         "and/or llama.cpp's llama-server on the f16 GGUF under the same load")
     b.add_argument("--speculative-bench", dest="spec", action="store_true",
                    help="also time speculative decoding (n-gram, and the draft model) against plain decoding")
-    b.add_argument("--speculative", dest="spec_methods", nargs="+", choices=["ngram", "draft", "mtp"], default=None,
-                   help="time these proposers against plain decoding, n-gram's beside them (implies "
+    b.add_argument("--speculative", dest="spec_methods", nargs="+", choices=["ngram", "draft", "mtp", "ceiling"],
+                   default=None, help="time these proposers against plain decoding, n-gram's beside them (implies "
                         "--speculative-bench; mtp: the checkpoint's own MTP modules, k = min(--num-speculative-tokens, "
-                        "its depth))")
+                        "its depth); ceiling: drafts that are the plain greedy output, always accepted and free: the "
+                        "most any proposer can give at that k on this machine)")
     b.add_argument("--spec-prompts-file", default=None,
                    help="JSON list of prompts for the speculative timing (default: repetitive code)")
     b.add_argument("--spec-prompts", type=int, default=4, help="prompts decoded one at a time per speculative round")
