@@ -407,9 +407,10 @@ def hf_baselines(model_dir: str, reqs: list[BenchRequest], batch_size: int, sequ
 
 class KnownContinuation:
     """The speculation ceiling's proposer: drafts that are the plain engine's own greedy continuation of each
-    prompt, so every draft is accepted and drafting costs nothing. Its `spec_speedup` is the most that
-    verifying k drafts per step can give on this machine and model, whatever the drafter: a real one
-    accepts fewer and pays for its drafts. (A benchmark's yardstick, never an engine's proposer.)"""
+    prompt, so every draft is the token greedy verification keeps, and drafting costs nothing. Its
+    `spec_speedup` is the most that verifying k drafts per step can give on this machine and model,
+    whatever the drafter: a real one has fewer accepted and pays for its drafts. (A benchmark's yardstick,
+    never an engine's proposer.)"""
 
     def __init__(self, k: int, max_model_len: int, continuations: dict[tuple[int, ...], list[int]]):
         self.k, self.max_model_len, self.continuations = k, max_model_len, continuations

@@ -21,6 +21,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
                              baseline=["hf", "llama.cpp"], baseline_sequential_requests=2, speculative=True,
                              concurrency_sweep=[1, 4],
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
+                             speculative_methods=["draft", "ceiling"],
                              rounds=1, server="process", out=str(out), num_kv_blocks=64, goodput=["ttft:600000"],
                              enforce_eager=True, json_schema=True)  # compiling would cost the suite ~10-40 s
     assert rc == 0
@@ -55,10 +56,12 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     for d in sweep:  # HF generate in static batches of each sweep size, on that size's requests
         assert d["ratio_vs_hf_static"] == pytest.approx(d["output_tokens_per_s"] / d["hf_static_output_tokens_per_s"])
     assert sweep[1]["over_previous"] == pytest.approx(sweep[1]["output_tokens_per_s"] / sweep[0]["output_tokens_per_s"])
-    for kind in ("speculative_ngram", "speculative_draft"):
+    for kind in ("speculative_ngram", "speculative_draft", "speculative_ceiling"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
         assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 1  # rounds=1
         assert 0 <= lines[kind]["acceptance_rate"] <= 1
+    # the ceiling drafts the plain greedy continuation itself: its drafts are the tokens plain decoding chose
+    assert lines["speculative_ceiling"]["acceptance_rate"] > 0.9
 
 
 def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_dir, tmp_path):
