@@ -1,6 +1,7 @@
 """MTP speculation on held-out code: export a pretrain output that has MTP modules (the Hugging Face
 folder + the mtp.safetensors sidecar), take prompts from the held-out (val) split of the packed tokens,
-and time greedy decoding one request at a time, plain vs n-gram vs MTP (stages/serve/bench.py
+and time greedy decoding one request at a time, plain vs n-gram vs MTP, beside the ceiling at the same k
+(drafts that are the plain greedy output: always accepted, free to make; stages/serve/bench.py
 spec_benchmark). Prints JSON lines: spec_speedup, acceptance_rate_first (the first MTP token's) and
 identical_greedy per proposer.
 
