@@ -1,9 +1,12 @@
 """`torchrun --nproc-per-node N -m trainer JOB.yaml` (or `python -m trainer JOB.yaml` for one process):
 join the process group, run the job the spec's section names, then rank 0 writes result.json."""
 
+import atexit
 import faulthandler
+import os
 import signal
 import sys
+import threading
 import traceback
 
 import torch.distributed as dist
@@ -22,6 +25,11 @@ def finish(spec: JobSpec, output: OutputFolder, result: JobResult) -> None:
     """Upload the output folder (if remote), then write result.json last: its presence means done."""
     output.publish()
     write_result(spec, result)
+
+
+_KEPT: list = []
+"""The finished job (model, optimizer, DDP, device meshes: what holds the process groups), never destroyed
+in this process: the rank leaves through exit_within, past the teardown that would destroy them."""
 
 
 def run_job(job_file: str) -> int:
@@ -51,6 +59,7 @@ def run_job(job_file: str) -> int:
             finish(spec, output, JobResult(status="failed", message=f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
+        _KEPT.append(job)  # not torn down when this frame is (exit_within says why)
         if dist.is_initialized():
             dist.destroy_process_group()
     if rank == 0:
@@ -64,17 +73,23 @@ EXIT_GRACE_S = 60.0
 
 
 def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
-    """Exit with `code`; if the interpreter's shutdown (atexit handlers, joins of non-daemon threads a
-    library left behind) takes longer than `grace_s`, print every thread's stack and leave at once.
-    Everything the job owes is written by then (result.json last), and a rank hung in its shutdown would
-    keep its launcher waiting until the task's timeout: seen in CI once after a completed SFT job. A hang
-    this cannot end (one in C that holds the GIL) is ended by the stage, which cancels a job whose
-    completed result.json is in (stages.pretrain.TEARDOWN_GRACE_S): SIGTERM then prints this rank's stacks,
-    whole (not chained to the default action, which would end the process mid-dump when a second SIGTERM
-    comes, from the agent and the launcher both), and the SIGKILL that follows every cancel ends it."""
-    import os
-    import threading
+    """Leave with `code` once the job is done: run the atexit handlers (logging's flush, MLflow's, the
+    compile workers' shutdown), flush the streams and `os._exit`, skipping the interpreter's teardown of
+    objects and its wait for non-daemon threads a library left running.
 
+    That teardown is where ranks hung. Seen in CI after a completed two-node SFT job: the rank's stacks
+    showed the main thread in `main` just after run_job returned (its locals, the job and the process
+    groups it holds, being destroyed), no deeper frame, and one frameless thread beside it, until the stage
+    cancelled it 90 s later. Most likely a gloo group's destructor joining a worker thread that waits for
+    the GIL the destructor holds, to drop a tensor's Python object (the hazard pytorch/pytorch#179291
+    describes for gloo's workers at teardown). So the job is kept (`_KEPT`) and never destroyed.
+
+    An atexit handler that takes longer than `grace_s` is cut short: a watchdog prints every thread's stack
+    and leaves with `code`. One stuck in C holding the GIL, where no watchdog thread can run, is ended by
+    the stage, which cancels a job whose completed result.json is in (stages.pretrain.TEARDOWN_GRACE_S):
+    SIGTERM then prints this rank's stacks, whole (not chained to the default action, which would end the
+    process mid-dump when a second SIGTERM comes, from the agent and the launcher both), and the SIGKILL
+    that follows every cancel ends it."""
     faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=False)
 
     def _leave() -> None:
@@ -86,7 +101,12 @@ def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
     watchdog = threading.Timer(grace_s, _leave)
     watchdog.daemon = True
     watchdog.start()
-    sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
