@@ -2,6 +2,7 @@
 join the process group, run the job the spec's section names, then rank 0 writes result.json."""
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import signal
@@ -105,7 +106,8 @@ def exit_within(code: int, grace_s: float = EXIT_GRACE_S) -> None:
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream must not keep the rank here
+                stream.flush()
         os._exit(code)
 
 
