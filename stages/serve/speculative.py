@@ -5,9 +5,9 @@ the token is drawn from the residual max(p - q, 0) renormalised; if all k are ac
 token comes from the target's next distribution. Greedy reduces to "accept while the target's
 argmax agrees", so greedy output is identical to plain decoding.
 
-Two proposers: n-gram prompt lookup (find the latest earlier occurrence of the last n tokens in
-the request's own tokens and propose what followed; a one-hot q) and a small draft model sharing
-the tokenizer, which keeps its own paged K/V in the same block ids as the target.
+Two proposers: n-gram prompt lookup (find earlier occurrences of the last n tokens in the
+request's own tokens and propose what most of them were followed by; a one-hot q) and a small
+draft model sharing the tokenizer, which keeps its own paged K/V in the same block ids as the target.
 """
 
 from __future__ import annotations
@@ -83,37 +83,60 @@ def _budget(req: Request, k: int, max_model_len: int) -> int:
 
 class NgramProposer:
     """Prompt lookup decoding: match the last n tokens (n from n_max down to n_min) against the
-    request's earlier tokens and propose the k tokens that followed the latest match."""
+    request's earlier tokens and propose the k tokens that followed a match: of the latest
+    `MAX_MATCHES` matches, the continuation most of them agree on (its first token decides; the
+    latest match on a tie), where vLLM takes the latest match alone.
+
+    Measured on `bench serve`'s repetitive code prompts (greedy, k = 5, 128 tokens, engine compiled,
+    7 alternating rounds in one process): 16 prompts decode in 757 steps instead of 776 and
+    speculation's speedup goes from 1.80x to 1.90x (medians); on the benchmark's 4 prompts 197
+    steps instead of 199, 1.80x to 1.81x. A verify step costs about the same with 1 or 5 drafts
+    (+45% over a plain step here), so every match proposes the whole k."""
+
+    MAX_MATCHES = 32  # matches voting: bounds a step's search where a 1-token suffix recurs everywhere
 
     def __init__(self, k: int, n_max: int = 4, n_min: int = 1, max_model_len: int = 2048):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= ngram_min ({n_min}) <= ngram_max ({n_max})")
         self.k, self.n_max, self.n_min, self.max_model_len = k, n_max, n_min, max_model_len
 
+    def _continuations(self, buf: bytes, n: int, L: int) -> list[int]:
+        """Where the tokens after each earlier occurrence of the last n tokens start, latest first.
+        The tokens are 8-byte words searched with bytes.rfind (C speed): one pass per n costs
+        microseconds where numpy's sliding windows cost ~60 us each, every step of every request."""
+        suffix = buf[(L - n) * 8:]
+        end = (L - 1) * 8  # a match must start at or before L-1-n: not the suffix itself
+        found: list[int] = []
+        while len(found) < self.MAX_MATCHES:
+            at = buf.rfind(suffix, 0, end)
+            if at < 0:
+                break
+            if at % 8 == 0:  # (an unaligned hit straddles token boundaries: not a match)
+                found.append(at // 8 + n)
+            end = at + len(suffix) - 1  # look further left
+        return found
+
     def propose_one(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
         L = len(tokens)
-        # the tokens as 8-byte words, searched with bytes.rfind (C speed): one pass per n costs
-        # microseconds where numpy's sliding windows cost ~60 us each, every step of every request
         buf = array("q", tokens).tobytes()
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            suffix = buf[(L - n) * 8:]
-            end = (L - 1) * 8  # a match must start at or before L-1-n: not the suffix itself
-            while True:
-                at = buf.rfind(suffix, 0, end)
-                if at < 0 or at % 8 == 0:
-                    break
-                end = at + len(suffix) - 1  # straddles token boundaries: look further left
-            if at >= 0:
-                start = at // 8 + n  # what followed the latest earlier match
-                out = tokens[start: start + k]
-                # the copy runs into the present: keep copying from the proposal itself, so a loop of
-                # period p yields k tokens rather than p
-                period = L - start
-                while len(out) < k:
-                    out.append(out[len(out) - period])
-                return out
+            starts = self._continuations(buf, n, L)
+            if not starts:
+                continue
+            votes: dict[int, int] = {}
+            for s in starts:
+                votes[tokens[s]] = votes.get(tokens[s], 0) + 1
+            most = max(votes.values())
+            start = next(s for s in starts if votes[tokens[s]] == most)  # latest first
+            out = tokens[start: start + k]
+            # the copy runs into the present: keep copying from the proposal itself, so a loop of
+            # period p yields k tokens rather than p
+            period = L - start
+            while len(out) < k:
+                out.append(out[len(out) - period])
+            return out
         return []
 
     def propose(self, reqs: list[Request]) -> None:

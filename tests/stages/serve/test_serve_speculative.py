@@ -73,8 +73,11 @@ def test_speculative_sampling_runs_and_respects_max_tokens(tiny_hf_model_dir, ti
     assert spec.metrics.spec_accepted.value(model_name=spec.model_name) > 0
 
 
-def test_ngram_proposer_finds_latest_match():
+def test_ngram_proposer_follows_the_continuation_most_matches_agree_on():
     prop = NgramProposer(k=3, n_max=3, n_min=1)
+    # one earlier match of [1, 2, 3] was followed by 9, two by 7: 7 wins, from the latest match so followed
+    assert prop.propose_one([1, 2, 3, 7, 8, 1, 2, 3, 9, 1, 2, 3, 7, 6, 1, 2, 3], 3) == [7, 6, 1]
+    # a tie goes to the latest match
     assert prop.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
     assert prop.propose_one([5, 6, 7], 3) == []
     # a loop: the latest match is right behind, and the proposal continues the period
@@ -86,18 +89,20 @@ def test_ngram_proposer_finds_latest_match():
         tokens = [rng.choice([0, 1, 256, 257, 65536, 2**40]) for _ in range(rng.randint(1, 30))]
         n_min = rng.randint(1, 3)
         p = NgramProposer(k=4, n_max=rng.randint(n_min, 4), n_min=n_min)
-        assert p.propose_one(tokens, 4) == _latest_match_scan(tokens, 4, p.n_max, p.n_min), tokens
+        assert p.propose_one(tokens, 4) == _voted_match_scan(tokens, 4, p.n_max, p.n_min, p.MAX_MATCHES), tokens
 
 
-def _latest_match_scan(tokens, k, n_max, n_min):
+def _voted_match_scan(tokens, k, n_max, n_min, max_matches):
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        for start in range(L - 1 - n, -1, -1):
-            if tokens[start:start + n] == tokens[L - n:]:
-                out = tokens[start + n: start + n + k]
-                while len(out) < k:
-                    out.append(out[len(out) - (L - start - n)])
-                return out
+        after = [s + n for s in range(L - 1 - n, -1, -1) if tokens[s:s + n] == tokens[L - n:]][:max_matches]
+        if after:
+            count = {t: sum(tokens[s] == t for s in after) for t in (tokens[s] for s in after)}
+            start = next(s for s in after if count[tokens[s]] == max(count.values()))
+            out = tokens[start: start + k]
+            while len(out) < k:
+                out.append(out[len(out) - (L - start)])
+            return out
     return []
 
 
