@@ -7,7 +7,7 @@ over [kv_heads, S sequences, K keys, head_dim], its K/V taken from one of three 
   with a gather and SDPA, which runs on CPU and CUDA alike): prefill chunks, and decodes without a
   decode slot;
 - decode slots (decode_slots.py), read in place as a strided view: decodes, with or without draft
-  tokens to verify;
+  tokens to verify (float32 on CPU: by slot_kernel.py's kernel, each query over exactly its keys);
 - the step's own new K/V: whole prompts that join a decoding batch and start at position 0 attend
   only among themselves.
 Because groups are runs of consecutive rows in order, the attention output is the groups' outputs
@@ -26,13 +26,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .slot_kernel import slot_attention
+
 
 @dataclass
 class AttentionGroup:
     """Consecutive sequences of the flat batch attended together in one padded SDPA call."""
 
     # [1, S, Q*group, K], bool or additive: key k visible to query row (query, head-in-group); its
-    # sizes are the group's sequences S, queries per sequence Q and keys K
+    # sizes are the group's sequences S, queries per sequence Q and keys K (with key_lengths, the
+    # sizes alone: zero strides, never read)
     mask: torch.Tensor
     num_rows: int  # rows of the flat batch the group covers (S*Q when none is padding)
     # padded groups only (None: the rows fill the [S, Q] grid in order and are read as a view)
@@ -43,6 +46,9 @@ class AttentionGroup:
     block_tables: torch.Tensor | None = None  # [S, Bmax] block ids (padding: 0, masked out)
     slot_kv: list[torch.Tensor] | None = None  # per layer [2, kv_heads, slots, capacity, head_dim]
     slot_lo: int = 0  # the first decode slot of the group's run of S slots
+    # decode slots on CPU (slot_kernel.py): [S, Q] keys each query sees; attention then reads exactly
+    # those, not the mask's padded K
+    key_lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -99,13 +105,16 @@ def attend(layer: int, q: torch.Tensor, kv_new: torch.Tensor, groups: list[Atten
         # a size, not g.num_rows, for unpadded groups: it stays symbolic when compiled
         n = S * Q if g.token_index is None else g.num_rows
         rows = slice(start, start + n)
-        kk, vv = group_keys_values(g, layer, cache, kv_new, rows)
         # GQA without repeating K/V: the `group` query heads sharing a KV head become extra
         # query rows of that head, [kvh, S, Q*group, d] (HF's repeat_kv: head h uses kv h // group)
         qq = q[rows].reshape(S, Q, kvh, group, d) if g.token_index is None else \
             q[g.token_index].view(S, Q, kvh, group, d)
         qq = qq.permute(2, 0, 1, 3, 4).reshape(kvh, S, QG, d)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=1.0 / math.sqrt(d))
+        if g.key_lengths is not None:
+            o = slot_attention(qq, g.slot_kv[layer], g.slot_lo, g.key_lengths, group, 1.0 / math.sqrt(d))
+        else:
+            kk, vv = group_keys_values(g, layer, cache, kv_new, rows)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask, scale=1.0 / math.sqrt(d))
         o = o.view(kvh, S, Q, group, d).permute(1, 2, 0, 3, 4)
         outs.append(o.reshape(n, nh, d) if g.token_index is None else o.reshape(S, Q, nh, d)[g.valid])
         start += n

@@ -129,6 +129,8 @@ def _mark_dynamic_sizes(ids, cos, sin, meta: AttentionMetadata, logits_rows) -> 
     dyn = [(decodes.mask, 3)] + [(kv, 3) for kv in decodes.slot_kv]
     if decodes.mask.shape[1] > 1:
         dyn += [(t, 0) for t in (ids, cos, sin, meta.slot_mapping, meta.slot_write.dest)] + [(decodes.mask, 1)]
+        if decodes.key_lengths is not None:
+            dyn.append((decodes.key_lengths, 0))
     if len(meta.groups) > 1:  # any number and length of prompts
         prompts = meta.groups[1].mask
         dyn += [(prompts, 2), (prompts, 3), (logits_rows, 0)]

@@ -9,7 +9,8 @@ reads the rows in place as a strided view (no gather). A 1-token decode is serve
 so is a decode that verifies k draft tokens (k+1 query rows, causal among themselves; the K/V of
 rejected drafts land past the accepted ones and are overwritten before anything reads them);
 prefill chunks keep the paged path. Rows freed in the middle are filled at once by moving the
-highest rows down (`compact`), so attention never spans free rows.
+highest rows down (`compact`), so attention never spans free rows. Float32 rows on CPU are read by
+slot_kernel.py's kernel, each query over exactly the keys it sees; other rows by one padded SDPA call.
 
 The pool stays the source of truth (prefix caching, preemption, prefill): every token is still
 written there too, and a row is simply dropped when its request stops running or is preempted.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import slot_kernel
 from .attention import AttentionGroup, AttentionMetadata, SlotWrite, build_attention_metadata
 from .lora import LoRAAdapter, LoRAStep
 from .model import KVCacheTensors, LlamaShape
@@ -157,6 +159,22 @@ def _causal_mask(qpos: np.ndarray, ctx: int) -> np.ndarray:
     return np.where(np.arange(ctx) > qpos[..., None], np.float32(-np.inf), np.float32(0.0))
 
 
+def _slot_group(slots: DecodeSlots, qpos: np.ndarray, ctx: int, lo: int, num_rows: int, group: int,
+                dtype: torch.dtype, dev: torch.device) -> AttentionGroup:
+    """The group over the slots lo.. whose queries sit at `qpos` [S, Q]. Where the slot kernel reads
+    these slots (slot_kernel.py) it gets each query's key count, and the mask only carries the
+    group's sizes [1, S, Q*group, ctx] (zero strides, never read); otherwise the mask SDPA needs."""
+    S, Q = qpos.shape
+    if slot_kernel.usable(slots.kv):
+        mask = torch.zeros((), dtype=dtype, device=dev).expand(1, S, Q * group, ctx)
+        return AttentionGroup(mask, num_rows, slot_kv=slots.kv, slot_lo=lo, key_lengths=_to(qpos + 1, dev))
+    if Q == 1:  # one query per sequence: its heads share one mask row
+        mask = _to(_causal_mask(qpos[:, 0], ctx), dev).to(dtype)[None, :, None, :].expand(1, S, group, ctx)
+    else:  # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
+        mask = _to(np.repeat(_causal_mask(qpos, ctx), group, axis=1), dev).to(dtype)[None]
+    return AttentionGroup(mask, num_rows, slot_kv=slots.kv, slot_lo=lo)
+
+
 def prompt_group(lens: np.ndarray, n_decode: int, group: int, dtype: torch.dtype,
                  dev: torch.device) -> tuple[np.ndarray, AttentionGroup, np.ndarray]:
     """Whole prompts of these lengths after `n_decode` decode rows (run_decodes), attending among
@@ -178,8 +196,8 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
                 nq: np.ndarray | None = None) -> tuple[AttentionGroup, SlotWrite]:
     """The attention group of the decodes at flat rows row0.., in slot order `sl`: sequence i
     feeds `nq[i]` tokens (default 1; 1 + its draft tokens when verifying a speculation) from
-    position `pos[i]`, its rows consecutive. One padded SDPA call over the run of slots they span,
-    read in place; and where each row's K/V go in the slots."""
+    position `pos[i]`, its rows consecutive. One call over the run of slots they span, read in place
+    (the slot kernel, or a padded SDPA call); and where each row's K/V go in the slots."""
     n = len(sl)
     lo, hi = int(sl[0]), int(sl[-1]) + 1
     S = hi - lo
@@ -188,8 +206,7 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
         slots.ensure_capacity(ctx)
         qpos = np.zeros(S, dtype=np.int64)  # a free slot in the run is a dummy row seeing key 0, discarded
         qpos[sl - lo] = pos
-        mask = _to(_causal_mask(qpos, ctx), dev).to(dtype)[None, :, None, :].expand(1, S, group, ctx)
-        g = AttentionGroup(mask, n, slot_kv=slots.kv, slot_lo=lo)
+        g = _slot_group(slots, qpos[:, None], ctx, lo, n, group, dtype, dev)
         if S != n:  # free slots inside the run: the queries are padded to it
             token_index = np.full(S, row0, dtype=np.int64)
             valid = np.zeros(S, dtype=bool)
@@ -203,9 +220,7 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
     q_ar = np.arange(qmax)
     if S == n and bool((nq == qmax).all()):  # no hole, every sequence verifies as many drafts
         qpos = pos[:, None] + q_ar  # [n, qmax]: query j sits at pos + j and sees keys 0..pos+j (causal)
-        # rows of the SDPA call are (query, head-in-group) pairs: [1, S, Q*group, ctx]
-        mask = _to(np.repeat(_causal_mask(qpos, ctx), group, axis=1), dev).to(dtype)[None]
-        return (AttentionGroup(mask, n * qmax, slot_kv=slots.kv, slot_lo=lo),
+        return (_slot_group(slots, qpos, ctx, lo, n * qmax, group, dtype, dev),
                 SlotWrite(slots.kv, _to((sl[:, None] * slots.capacity + qpos).ravel(), dev), row0))
     within = np.minimum(q_ar[None, :], nq[:, None] - 1)  # [n, qmax]; padding repeats the last query
     first = row0 + np.cumsum(nq) - nq  # flat row of each sequence's first token
@@ -215,9 +230,9 @@ def dense_group(slots: DecodeSlots, sl: np.ndarray, pos: np.ndarray, row0: int, 
     token_index[sl - lo] = first[:, None] + within
     valid[sl - lo] = q_ar[None, :] < nq[:, None]
     qpos[sl - lo] = pos[:, None] + within
-    mask = _to(np.repeat(_causal_mask(qpos, ctx), group, axis=1), dev).to(dtype)[None]
     row_pos = np.repeat(pos, nq) + _within(nq)
-    g = AttentionGroup(mask, int(nq.sum()), _to(token_index, dev), _to(valid, dev), slot_kv=slots.kv, slot_lo=lo)
+    g = _slot_group(slots, qpos, ctx, lo, int(nq.sum()), group, dtype, dev)
+    g.token_index, g.valid = _to(token_index, dev), _to(valid, dev)
     return g, SlotWrite(slots.kv, _to(np.repeat(sl, nq) * slots.capacity + row_pos, dev), row0)
 
 
