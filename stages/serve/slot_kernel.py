@@ -91,17 +91,15 @@ def slot_attention(q: torch.Tensor, kv: torch.Tensor, slot_lo: int, key_lengths:
     share a KV head together); kv: one layer's decode slots [2, kv_heads, slots, capacity, head_dim],
     the sequences in slots slot_lo..slot_lo+S-1; key_lengths [S, Q]: the keys each query sees (its
     position + 1). Returns the attention, shaped like q."""
-    q = q.contiguous()
-    lengths = key_lengths.to(torch.int64).contiguous()
+    q, lengths = q.contiguous(), key_lengths.contiguous()
     H, S, R, D = q.shape
     out = torch.empty_like(q)
-    if S == 0:
-        return out
-    scratch = torch.empty(kv.shape[3], dtype=torch.float32)
+    scratch = torch.empty(kv.shape[3], dtype=torch.float32)  # a row's scores: at most its capacity
     fn = kernel()
-    assert fn is not None, "slot_attention called where the kernel is unavailable (check `usable` first)"
-    fn(q.data_ptr(), kv[0, 0, slot_lo].data_ptr(), kv[1, 0, slot_lo].data_ptr(), lengths.data_ptr(), out.data_ptr(),
-       H, S, R, D, group, kv.stride(1), kv.stride(2), scale, scratch.data_ptr())
+    assert fn is not None and lengths.dtype == torch.int64, "check `usable` first; key_lengths are int64"
+    k = kv.data_ptr() + slot_lo * kv.stride(2) * 4  # float32: 4 bytes
+    fn(q.data_ptr(), k, k + kv.stride(0) * 4, lengths.data_ptr(), out.data_ptr(), H, S, R, D, group,
+       kv.stride(1), kv.stride(2), scale, scratch.data_ptr())
     return out
 
 
