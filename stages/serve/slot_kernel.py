@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from . import cache_root
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("slot_attention.c")
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
@@ -38,7 +40,7 @@ _state: dict[str, object] = {}  # "fn": the loaded kernel, or None once it could
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("EIGHTFOLD_CACHE", Path.home() / ".cache" / "eightfold")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _build():
