@@ -3,8 +3,8 @@ Hugging Face `generate` (one request at a time, and static batches of 32) and ll
 llama-server (its f16 GGUF, the same load; built once into a cache, skipped where it cannot be) on
 the same checkpoint and prompts, plus speculative decoding on repetitive code prompts (n-gram, the draft
 model, and the ceiling: drafts that are the plain greedy output, accepted always and free to make). First, on
-the fresh server, a concurrency sweep (1, 8, 32, 64, 128): each size's tokens/s should be no lower
-than the one before it. One JSON line per figure.
+the fresh server, a concurrency sweep (1, 8, 32, 64, 128), again before each later round: each size's median
+tokens/s should be no lower than the one before it. One JSON line per figure.
 
     python -m benchmarks.serve_throughput [MODEL_DIR] [--stream-interval N] [--serve-speculative ngram]
         [--enforce-eager] [--only-json-schema] [--device cuda --dtype bfloat16 --kv-cache-memory-gb 16]

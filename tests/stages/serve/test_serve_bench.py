@@ -56,12 +56,34 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     for d in sweep:  # HF generate in static batches of each sweep size, on that size's requests
         assert d["ratio_vs_hf_static"] == pytest.approx(d["output_tokens_per_s"] / d["hf_static_output_tokens_per_s"])
     assert sweep[1]["over_previous"] == pytest.approx(sweep[1]["output_tokens_per_s"] / sweep[0]["output_tokens_per_s"])
+    for d in sweep:  # rounds=1: one pass, on the fresh server
+        assert d["passes_output_tokens_per_s"] == [d["fresh_output_tokens_per_s"]] == [d["output_tokens_per_s"]]
     for kind in ("speculative_ngram", "speculative_draft", "speculative_ceiling"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
         assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 1  # rounds=1
         assert 0 <= lines[kind]["acceptance_rate"] <= 1
     # the ceiling drafts the plain greedy continuation itself: its drafts are the tokens plain decoding chose
     assert lines["speculative_ceiling"]["acceptance_rate"] > 0.9
+
+
+def test_sweep_figures_are_each_sizes_median_pass_against_the_fresh_one():
+    from stages.serve.bench import sweep_figures
+
+    def row(c, tps, **extra):
+        return {"concurrency": c, "completed": 32, "failed": 0, "duration_s": 1.0, "output_tokens": tps,
+                "output_tokens_per_s": tps, "ttft_ms": {"median": tps / 1000}, "tpot_ms": {}, **extra}
+
+    passes = [[row(1, 100, hf_static_output_tokens_per_s=50), row(8, 300, hf_static_output_tokens_per_s=100)],
+              [row(1, 120), row(8, 900)],
+              [row(1, 110), row(8, 800)]]
+    lines = sweep_figures(passes)
+    assert [d["output_tokens_per_s"] for d in lines] == [110, 800]
+    assert lines[1]["ttft_ms"] == {"median": 0.8}  # the median pass's latencies too
+    assert lines[1]["passes_output_tokens_per_s"] == [300, 900, 800]
+    assert lines[1]["fresh_output_tokens_per_s"] == 300 and lines[1]["fresh_over_median"] == pytest.approx(300 / 800)
+    assert lines[0]["ratio_vs_hf_static"] == 2 and lines[1]["ratio_vs_hf_static"] == 3  # the fresh pass's requests
+    assert lines[0]["over_previous"] is None and lines[1]["over_previous"] == pytest.approx(800 / 110)
+    assert sweep_figures([]) == []
 
 
 def test_serve_stage_checks_the_checkpoint_and_writes_manifests(tiny_hf_model_dir, tmp_path):
