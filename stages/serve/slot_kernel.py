@@ -97,7 +97,7 @@ def slot_attention(q: torch.Tensor, kv: torch.Tensor, slot_lo: int, key_lengths:
     q, lengths = q.contiguous(), key_lengths.contiguous()
     H, S, R, D = q.shape
     out = torch.empty_like(q)
-    scratch = torch.empty(kv.shape[3], dtype=torch.float32)  # a row's scores: at most its capacity
+    scratch = torch.empty(2 * kv.shape[3], dtype=torch.float32)  # two rows' scores: at most their capacity each
     fn = kernel()
     assert fn is not None and lengths.dtype == torch.int64, "check `usable` first; key_lengths are int64"
     k = kv.data_ptr() + slot_lo * kv.stride(2) * 4  # float32: 4 bytes
