@@ -17,8 +17,8 @@ request is done), and reports `baseline_output_tokens_per_s` and `ratio` for eac
 `--concurrency-sweep 1 8 32 64 128` loads the server at each size in turn, once per round: the first pass
 on the fresh server (no warm-up of any size), the others before each later round, so one slow spell of a
 shared machine skews one pass, not a size. Each serve_concurrency line gives the median pass's figures, every
-pass's tokens/s and the fresh pass's over the median (a batch shape compiled on the request path shows as
-well below 1). With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's
+pass's tokens/s, the fresh pass's over the median (a batch shape compiled on the request path shows as
+well below 1) and `over_previous`, the median over passes of each pass's ratio to the size before. With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's
 requests (`ratio_vs_hf_static`). `--device cuda --dtype bfloat16` puts the
 engines and Hugging Face's model on the same GPU in the same dtype.
 `--baseline llama.cpp` runs llama.cpp's `llama-server` on the model's f16 GGUF (built once into a
@@ -547,9 +547,11 @@ def sweep_requests(concurrency: int) -> int:
 def sweep_figures(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """A concurrency sweep's line per size from its passes (each a list of summaries, sizes ascending):
     the median pass's figures, every pass's tokens/s, the first (fresh-server) pass's over the median,
-    the fresh pass's ratio over HF static batches where it ran them, and each median over the previous size's."""
+    the fresh pass's ratio over HF static batches where it ran them, and `over_previous`: the median over
+    passes of each pass's tokens/s over its previous size's (neighbouring sizes run back to back, so a
+    pass's ratio is steadier than the ratio of two medians taken at different times)."""
     lines: list[dict[str, Any]] = []
-    for rows in zip(*passes):
+    for i, rows in enumerate(zip(*passes)):
         row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[len(rows) // 2]
         fresh = rows[0]
         line = {k: row[k] for k in ("concurrency", "completed", "failed", "duration_s", "output_tokens",
@@ -561,7 +563,9 @@ def sweep_figures(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if "hf_static_output_tokens_per_s" in fresh:
             line["hf_static_output_tokens_per_s"] = fresh["hf_static_output_tokens_per_s"]
             line["ratio_vs_hf_static"] = fresh["output_tokens_per_s"] / fresh["hf_static_output_tokens_per_s"]
-        line["over_previous"] = row["output_tokens_per_s"] / lines[-1]["output_tokens_per_s"] if lines else None
+        ratios = [p[i]["output_tokens_per_s"] / p[i - 1]["output_tokens_per_s"] for p in passes] if i else None
+        line["over_previous"] = statistics.median(ratios) if i else None
+        line["passes_over_previous"] = ratios
         lines.append(line)
     return lines
 

@@ -74,7 +74,7 @@ def test_sweep_figures_are_each_sizes_median_pass_against_the_fresh_one():
                 "output_tokens_per_s": tps, "ttft_ms": {"median": tps / 1000}, "tpot_ms": {}, **extra}
 
     passes = [[row(1, 100, hf_static_output_tokens_per_s=50), row(8, 300, hf_static_output_tokens_per_s=100)],
-              [row(1, 120), row(8, 900)],
+              [row(1, 130), row(8, 900)],
               [row(1, 110), row(8, 800)]]
     lines = sweep_figures(passes)
     assert [d["output_tokens_per_s"] for d in lines] == [110, 800]
@@ -82,7 +82,9 @@ def test_sweep_figures_are_each_sizes_median_pass_against_the_fresh_one():
     assert lines[1]["passes_output_tokens_per_s"] == [300, 900, 800]
     assert lines[1]["fresh_output_tokens_per_s"] == 300 and lines[1]["fresh_over_median"] == pytest.approx(300 / 800)
     assert lines[0]["ratio_vs_hf_static"] == 2 and lines[1]["ratio_vs_hf_static"] == 3  # the fresh pass's requests
-    assert lines[0]["over_previous"] is None and lines[1]["over_previous"] == pytest.approx(800 / 110)
+    # each pass's ratio to the size before, then their median (not the medians' ratio, 800 / 110)
+    assert lines[1]["passes_over_previous"] == pytest.approx([3, 900 / 130, 800 / 110])
+    assert lines[0]["over_previous"] is None and lines[1]["over_previous"] == pytest.approx(900 / 130)
     assert sweep_figures([]) == []
 
 
