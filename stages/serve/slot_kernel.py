@@ -9,8 +9,9 @@ under load). The kernel gives each query row exactly the keys it sees, with FMA 
 vectorised softmax (AVX2 where the CPU has it, checked at run time; plain C otherwise), two heads of a
 query per pass over their keys. Measured per layer call (head_dim 32, 2 KV heads, GQA 2, contexts
 16-336, one thread, SDPA -> kernel): 8 sequences 86 -> 18 us, 32 sequences 583 -> 101 us, 128 sequences
-2.99 -> 1.04 ms (their keys no longer fit the L3 cache); the served load at concurrency 32 goes from
-~6,100 to ~9,800 output tokens/s. Its outputs match SDPA's within float32 rounding (~1e-6).
+2.99 -> 1.04 ms (their keys no longer fit the L3 cache). The engine at concurrency 32 went from ~6,100 to
+~9,400 output tokens/s with the kernel's first version, and 3-5% further with the vectorised softmax (A/B
+in one process). Its outputs match SDPA's within float32 rounding (~1e-6).
 
 Used for float32 decode-slot groups of two sequences or more on CPU (decode_slots._slot_group): a lone
 sequence, other groups, dtypes and devices keep SDPA, and so does every step where the kernel cannot
