@@ -16,11 +16,12 @@ a time and in static batches of `concurrency` (padded, each batch running until 
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
 `--concurrency-sweep 1 8 32 64 128` loads the server at each size in turn, once per round: the first pass
 on the fresh server (no warm-up of any size), the others before each later round, so one slow spell of a
-shared machine skews one pass, not a size. Each serve_concurrency line gives the median pass's figures, every
-pass's tokens/s, the fresh pass's over the median (a batch shape compiled on the request path shows as
-well below 1) and `over_previous`, the median over passes of each pass's ratio to the size before. With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's
-requests (`ratio_vs_hf_static`). `--device cuda --dtype bfloat16` puts the
-engines and Hugging Face's model on the same GPU in the same dtype.
+shared machine skews one pass, not a size. Each serve_concurrency line gives the median pass's figures,
+every pass's tokens/s, the fresh pass's over the median (a batch shape compiled on the request path shows
+as well below 1) and `over_previous`, the median over passes of each pass's ratio to the size before.
+With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's requests
+(`ratio_vs_hf_static`). `--device cuda --dtype bfloat16` puts the engines and Hugging Face's model on the
+same GPU in the same dtype.
 `--baseline llama.cpp` runs llama.cpp's `llama-server` on the model's f16 GGUF (built once into a
 cache, llama_cpp_peer.py; skipped with a message where it cannot be built) with one slot per request
 in flight and the same threads, loads it with the same client and requests in each round, and
