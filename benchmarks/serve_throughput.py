@@ -3,8 +3,9 @@ Hugging Face `generate` (one request at a time, and static batches of 32) and ll
 llama-server (its f16 GGUF, the same load; built once into a cache, skipped where it cannot be) on
 the same checkpoint and prompts, plus speculative decoding on repetitive code prompts (n-gram, the draft
 model, and the ceiling: drafts that are the plain greedy output, accepted always and free to make). First, on
-the fresh server, a concurrency sweep (1, 8, 32, 64, 128), again before each later round: each size's median
-tokens/s should be no lower than the one before it. One JSON line per figure.
+the fresh server, a concurrency sweep (1, 8, 32, 64, 128), 5 passes spread over the rounds: each size's
+tokens/s (median pass; `over_previous`, the median of each pass's ratio to the size before) should be no lower
+than the one before it. One JSON line per figure.
 
     python -m benchmarks.serve_throughput [MODEL_DIR] [--stream-interval N] [--serve-speculative ngram]
         [--enforce-eager] [--only-json-schema] [--device cuda --dtype bfloat16 --kv-cache-memory-gb 16]
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency-sweep", type=int, nargs="+", default=[1, 8, 32, 64, 128], metavar="C")
+    p.add_argument("--sweep-passes", type=int, default=5, help="passes of the sweep, spread over the rounds")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
     p.add_argument("--baseline", nargs="*", choices=["hf", "llama.cpp"], default=["hf", "llama.cpp"],
                    help="baselines to run (none: --baseline with no value)")
@@ -72,7 +74,8 @@ def main(argv: list[str]) -> int:
         opts.update(baseline=None, speculative=False, in_process=False)
     else:
         opts.update(baseline=ns.baseline or None, speculative=not ns.no_speculative,
-                    concurrency_sweep=ns.concurrency_sweep, in_process=not ns.no_in_process,
+                    concurrency_sweep=ns.concurrency_sweep, sweep_passes=ns.sweep_passes,
+                    in_process=not ns.no_in_process,
                     # the default checkpoint comes with a draft model; the ceiling bounds every proposer's speedup
                     speculative_methods=(["draft"] if ns.model_dir is None else []) + ["ceiling"])
     return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=32, input_len=ns.input_len,

