@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--spec-repeats", type=int, default=9,
+                   help="plain and speculative decodes alternate this many times (~0.5 s each); the median ratio counts")
     p.add_argument("--concurrency-sweep", type=int, nargs="+", default=[1, 8, 32, 64, 128], metavar="C")
     p.add_argument("--sweep-passes", type=int, default=5, help="passes of the sweep, spread over the rounds")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
@@ -80,7 +82,8 @@ def main(argv: list[str]) -> int:
                     speculative_methods=(["draft"] if ns.model_dir is None else []) + ["ceiling"])
     return bench_serve_command(ns.model_dir, num_prompts=ns.num_prompts, concurrency=32, input_len=ns.input_len,
                                output_len=ns.output_len, range_ratio=0.75, json_schema=not ns.no_json_schema,
-                               rounds=ns.rounds, threads=ns.threads, server=ns.server, out=ns.out,
+                               rounds=ns.rounds, spec_repeats=ns.spec_repeats, threads=ns.threads, server=ns.server,
+                               out=ns.out,
                                engine_process=None if ns.engine_process is None else ns.engine_process == "true", **opts)
 
 

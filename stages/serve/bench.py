@@ -30,8 +30,9 @@ reports `ratio` = our output tokens/s over llama.cpp's.
 (n-gram prompt lookup, and the draft model when given; `--speculative draft mtp ...` names the
 proposers timed beside n-gram, mtp being the checkpoint's own MTP modules, ceiling the bound on them all:
 drafts that are the plain greedy output, always accepted, free to make) and reports `spec_speedup` (median over
-alternating repeats; `spec_speedup_cpu` from process CPU time), the acceptance rate (and the first
-draft token's, `acceptance_rate_first`) and whether the greedy outputs are identical.
+`--spec-repeats` alternating repeats, 9, ~0.5 s each; `spec_speedup_cpu` from process CPU time), the
+acceptance rate (and the first draft token's, `acceptance_rate_first`) and whether the greedy outputs are
+identical.
 `--spec-prompts-file` (a JSON list of strings) replaces the repetitive code prompts, e.g. by held-out,
 non-repetitive code.
 
@@ -630,6 +631,7 @@ def bench_serve_command(
     num_speculative_tokens: int = 5,
     spec_prompts: int = 4,
     spec_output_len: int = 128,
+    spec_repeats: int = 9,
     threads: int | None = 1,
     base_url: str | None = None,
     out: str | None = None,
@@ -863,7 +865,7 @@ def bench_serve_command(
                 if k not in ("max_num_seqs", "speculative", "num_speculative_tokens")}
         prompts = json.loads(Path(spec_prompts_file).read_text()) if spec_prompts_file else None
         for d in spec_benchmark(model_dir, draft_model_dir, spec_prompts, spec_output_len, num_speculative_tokens,
-                                repeats=rounds, methods=speculative_methods, prompts=prompts, **opts):
+                                repeats=spec_repeats, methods=speculative_methods, prompts=prompts, **opts):
             emit(d)
     if out:
         Path(out).write_text("\n".join(json.dumps(d, default=float) for d in lines) + "\n")

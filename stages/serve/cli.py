@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                    help="JSON list of prompts for the speculative timing (default: repetitive code)")
     b.add_argument("--spec-prompts", type=int, default=4, help="prompts decoded one at a time per speculative round")
     b.add_argument("--spec-output-len", type=int, default=128, help="tokens decoded per speculative prompt")
+    b.add_argument("--spec-repeats", type=int, default=9,
+                   help="plain and speculative decodes alternate this many times; the median ratio is reported")
     b.add_argument("--draft-model-dir", default=None, help="draft checkpoint for --speculative-bench")
     b.add_argument("--threads", type=int, default=1, help="torch threads of the server and the baselines")
     b.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None, bench_prog: str | None = None) -> int:
                                    range_ratio=ns.range_ratio, seed=ns.seed, baseline=ns.baseline,
                                    speculative=ns.spec or bool(ns.spec_methods), speculative_methods=ns.spec_methods,
                                    spec_prompts_file=ns.spec_prompts_file, spec_prompts=ns.spec_prompts,
-                                   spec_output_len=ns.spec_output_len,
+                                   spec_output_len=ns.spec_output_len, spec_repeats=ns.spec_repeats,
                                    draft_model_dir=ns.draft_model_dir, threads=ns.threads, base_url=ns.base_url,
                                    out=ns.out, server=ns.server, rounds=ns.rounds, serve_speculative=ns.serve_speculative,
                                    num_speculative_tokens=ns.num_speculative_tokens, goodput=ns.goodput,

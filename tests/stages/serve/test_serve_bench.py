@@ -21,7 +21,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
                              baseline=["hf", "llama.cpp"], baseline_sequential_requests=2, speculative=True,
                              concurrency_sweep=[1, 4], sweep_passes=2,
                              draft_model_dir=str(tiny_hf_draft_dir), spec_prompts=1, spec_output_len=16,
-                             speculative_methods=["draft", "ceiling"],
+                             speculative_methods=["draft", "ceiling"], spec_repeats=2,
                              rounds=1, server="process", out=str(out), num_kv_blocks=64, goodput=["ttft:600000"],
                              enforce_eager=True, json_schema=True)  # compiling would cost the suite ~10-40 s
     assert rc == 0
@@ -62,7 +62,7 @@ def test_bench_serve_reports_every_figure(tiny_hf_model_dir, tiny_hf_draft_dir, 
     assert sweep[1]["over_previous"] == pytest.approx((first[1] / first[0] + second[1] / second[0]) / 2)
     for kind in ("speculative_ngram", "speculative_draft", "speculative_ceiling"):
         assert lines[kind]["identical_greedy"] is True and lines[kind]["spec_speedup"] > 0
-        assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 1  # rounds=1
+        assert lines[kind]["spec_speedup_cpu"] > 0 and len(lines[kind]["rounds_spec_speedup"]) == 2  # spec_repeats
         assert 0 <= lines[kind]["acceptance_rate"] <= 1
     # the ceiling drafts the plain greedy continuation itself: its drafts are the tokens plain decoding chose
     assert lines["speculative_ceiling"]["acceptance_rate"] > 0.9
