@@ -566,7 +566,7 @@ def sweep_figures(passes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             line["hf_static_output_tokens_per_s"] = fresh["hf_static_output_tokens_per_s"]
             line["ratio_vs_hf_static"] = fresh["output_tokens_per_s"] / fresh["hf_static_output_tokens_per_s"]
         ratios = [p[i]["output_tokens_per_s"] / p[i - 1]["output_tokens_per_s"] for p in passes] if i else None
-        line["over_previous"] = statistics.median(ratios) if i else None
+        line["over_previous"] = statistics.median(ratios) if ratios else None
         line["passes_over_previous"] = ratios
         lines.append(line)
     return lines
@@ -740,20 +740,19 @@ def bench_serve_command(
                 rows.append({"concurrency": c, **summarize(*asyncio.run(run_load(url, model, sreqs, c, float("inf"),
                                                                                  seed)))})
                 if hf is not None and p == 0:  # Hugging Face generate in static batches of the same size and requests
-                    import torch
-
                     with torch.no_grad():
                         rows[-1]["hf_static_output_tokens_per_s"] = hf_static_batches(hf, sreqs, c, pad)
                 print(f"sweep pass {p + 1}, concurrency {c}: served {rows[-1]['output_tokens_per_s']:.0f} tok/s",
                       file=sys.stderr)
             passes.append(rows)
 
-        def sweep_until(n: int) -> None:  # the first pass on the fresh server: no warm-up of any size
+        def sweep_until(n: int) -> None:
             while concurrency_sweep and len(passes) < n:
                 sweep_pass(len(passes))
 
         for rnd in range(rounds):
-            # the passes spread over the rounds, so a slow spell of the machine skews a pass or two, not a size
+            # the passes spread over the rounds, so a slow spell of the machine skews a pass or two, not a size;
+            # the first runs before round 1, on the fresh server: no warm-up of any size
             sweep_until(max(1, math.ceil(sweep_passes * rnd / rounds)))
             reqs = make_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed + rnd)
             asyncio.run(run_load(url, model, reqs[:2], 2, float("inf"), seed))  # warm-up

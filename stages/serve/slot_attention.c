@@ -148,7 +148,8 @@ static inline void attend_rows_avx2(const float *q, const int G, const float *K,
     }
 }
 
-/* One query row qr[0..D) over keys/values K, V [n, D]: o[0..D) (sc: n floats of scratch). */
+/* One query row qr[0..D) over keys/values K, V [n, D]: o[0..D) (sc: n floats of scratch); the pair
+   variant takes two rows, qr and o [2, D], and 2n floats of scratch. */
 typedef void (*row_fn)(const float *qr, const float *K, const float *V, int64_t n, float *o, int64_t D,
                        float scale, float *sc);
 
@@ -185,9 +186,9 @@ static void attend_row_generic(const float *qr, const float *K, const float *V, 
 void slot_attention(const float *q, const float *k, const float *v, const int64_t *nvis, float *out,
                     int64_t H, int64_t S, int64_t R, int64_t D, int64_t group, int64_t hs, int64_t ss,
                     float scale, float *scratch) {
-    const row_fn attend_row = D % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-                              ? attend_row_avx2 : attend_row_generic;
-    const row_fn attend_pair = attend_row == attend_row_avx2 ? attend_pair_avx2 : 0;
+    const int fast = D % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const row_fn attend_row = fast ? attend_row_avx2 : attend_row_generic;
+    const row_fn attend_pair = fast ? attend_pair_avx2 : 0;
     const int64_t Q = R / group;
     for (int64_t h = 0; h < H; h++)
         for (int64_t s = 0; s < S; s++) {

@@ -15,8 +15,8 @@ in one process). Its outputs match SDPA's within float32 rounding (~1e-6).
 
 Used for float32 decode-slot groups of two sequences or more on CPU (decode_slots._slot_group): a lone
 sequence, other groups, dtypes and devices keep SDPA, and so does every step where the kernel cannot
-be built (a warning says why) or `EIGHTFOLD_SLOT_KERNEL=0` is set. A torch custom op, so the compiled step (compiled_forward.py)
-calls it inside its graph.
+be built (a warning says why) or `EIGHTFOLD_SLOT_KERNEL=0` is set. A torch custom op, so the compiled
+step (compiled_forward.py) calls it inside its graph.
 """
 
 from __future__ import annotations
